@@ -1,0 +1,1 @@
+"""charbuild: shard, quantize, bake and write per-rank engines."""

@@ -1,0 +1,1 @@
+"""charengine: real-time serving of an autoregressive video diffusion transformer."""

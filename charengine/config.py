@@ -1,0 +1,308 @@
+"""Configuration: the model spec and its presets, schedule, cache geometry, switches, numerics.
+
+One frozen `EngineConfig` describes what a step computes and which optimizations are on.
+Presets are data (`PRESETS`), never copied modules. Invalid combinations fail at
+construction with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes of the characters DiT. Everything else (token counts, widths) is derived.
+
+    The `characters-57b` numbers that the paper does not state are inferred (DESIGN.md §2):
+    - width 7680 = 60 heads x 128: 16 d^2 = 944M parameters per block, 56.6B in 60 blocks
+      (the paper's "about 57B"), and 60 heads split whole over 2..6 ranks;
+    - a parallel block (attention and MLP side by side): one input projection
+      d -> 3d (QKV) + 2 x 4d (SwiGLU gate, up) and one output projection (d + 4d) -> d,
+      which is one all-reduce per block, as the paper says;
+    - 757 tokens per latent = a 22 x 34 grid (704 x 1088 over a 16x VAE and 2x2 patches of
+      48 latent channels) + 9 audio tokens;
+    - 1,246 global slots = 748 reference-image tokens + 498 (padded) prompt tokens;
+    - RoPE on head dim 128 split temporal 44 / height 42 / width 42, theta 10000.
+    """
+
+    name: str
+    dim: int
+    n_heads: int
+    n_blocks: int
+    mlp_ratio: int = 4
+    mlp_align: int = 128  # TP splits the MLP hidden size in blocks of this many channels
+    latent_channels: int = 48
+    patch: int = 2
+    vae_stride: int = 16  # output pixels per latent pixel, each spatial axis
+    frames_per_latent: int = 4
+    fps: int = 24
+    grid_h: int = 22
+    grid_w: int = 34
+    audio_tokens: int = 9
+    audio_dim: int = 1024  # width of the audio encoder's output features
+    prompt_tokens: int = 498
+    text_dim: int = 2048  # width of the text encoder's output features
+    rope_split: tuple[int, int, int] = (44, 42, 42)  # temporal, height, width dims of a head
+    rope_theta: float = 10000.0
+    time_freq_dim: int = 256
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"{self.name}: dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        if sum(self.rope_split) != self.head_dim or any(s % 2 for s in self.rope_split):
+            raise ValueError(
+                f"{self.name}: rope_split {self.rope_split} must be three even sizes summing to "
+                f"head_dim {self.head_dim}")
+        if self.mlp_hidden % self.mlp_align:
+            raise ValueError(f"{self.name}: MLP hidden {self.mlp_hidden} is not a multiple of "
+                             f"mlp_align {self.mlp_align}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.mlp_ratio * self.dim
+
+    @property
+    def video_tokens(self) -> int:
+        return self.grid_h * self.grid_w
+
+    @property
+    def tokens_per_frame(self) -> int:
+        """New tokens per AR step: one latent's video tokens plus its audio tokens."""
+        return self.video_tokens + self.audio_tokens
+
+    @property
+    def global_tokens(self) -> int:
+        """Reference-image tokens plus padded prompt tokens, written once per session."""
+        return self.video_tokens + self.prompt_tokens
+
+    @property
+    def patch_dim(self) -> int:
+        return self.latent_channels * self.patch * self.patch
+
+    @property
+    def latent_h(self) -> int:
+        return self.grid_h * self.patch
+
+    @property
+    def latent_w(self) -> int:
+        return self.grid_w * self.patch
+
+    @property
+    def out_h(self) -> int:
+        return self.latent_h * self.vae_stride
+
+    @property
+    def out_w(self) -> int:
+        return self.latent_w * self.vae_stride
+
+    @property
+    def in_proj_dim(self) -> int:
+        """QKV (3d) then SwiGLU gate and up (2 x hidden)."""
+        return 3 * self.dim + 2 * self.mlp_hidden
+
+    @property
+    def out_proj_dim(self) -> int:
+        """Attention output (d) then the MLP's hidden (hidden)."""
+        return self.dim + self.mlp_hidden
+
+    def block_linear_params(self) -> int:
+        return self.n_blocks * (self.in_proj_dim * self.dim + self.dim * self.out_proj_dim)
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "characters-57b": ModelSpec(name="characters-57b", dim=7680, n_heads=60, n_blocks=60),
+    "tiny": ModelSpec(
+        name="tiny", dim=64, n_heads=4, n_blocks=2, mlp_align=16, latent_channels=8, vae_stride=8,
+        grid_h=4, grid_w=4, audio_tokens=1, audio_dim=32, prompt_tokens=8, text_dim=32,
+        rope_split=(6, 4, 6), time_freq_dim=32),
+    # Ten heads: splits unevenly over 3, 4 and 7 ranks; the uneven-TP tests use it.
+    "tiny-10h": ModelSpec(
+        name="tiny-10h", dim=80, n_heads=10, n_blocks=2, mlp_align=16, latent_channels=8,
+        vae_stride=8, grid_h=4, grid_w=4, audio_tokens=1, audio_dim=32, prompt_tokens=8,
+        text_dim=32, rope_split=(2, 2, 4), time_freq_dim=32),
+}
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Geometry of each (block, pass) KV cache: global slots + a window of latent frames.
+
+    A window frame written at AR step k has temporal index window + 1 + (k mod reset_period);
+    every reset_period steps the cached window keys move by -reset_period (the delta rotation),
+    so indices stay in [2, window + reset_period]. Global tokens have temporal index 0.
+    """
+
+    window: int = 6
+    reset_period: int = 42
+    calibration_steps: int = 6  # FP8 KV scales are set on entering step calibration_steps + 1
+    scale_margin: float = 1.5
+    fp8_max: float = 448.0
+
+    @property
+    def first_temporal_index(self) -> int:
+        return self.window + 1
+
+    @property
+    def delta(self) -> int:
+        return -self.reset_period
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The fixed flow-matching schedule: one denoising pass per sigma, Euler steps to 0."""
+
+    sigmas: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
+
+    @property
+    def passes(self) -> int:
+        return len(self.sigmas)
+
+    def next_sigma(self, p: int) -> float:
+        return self.sigmas[p + 1] if p + 1 < self.passes else 0.0
+
+
+@dataclass(frozen=True)
+class Switches:
+    """One switch per optimization, in the order of the paper's Figure 2. All off is the
+    paper's baseline; each plain path stays runnable and tested against the fast one."""
+
+    baked_adaln: bool = True  # modulation table [pass, block, 3, d] instead of a per-call MLP
+    rope_at_write: bool = True  # RoPE on new Q/K once, instead of the whole cache per call
+    ring_cache: bool = True  # ring of window slots at a device write position, not shift-left
+    fp8_kv: bool = True  # K/V stored FP8 with per-(block, head) scales, not requantized per call
+    delta_rotation: bool = True  # rotate cached window keys by omega * delta at each reset
+    conditioning_cache: bool = True  # RoPE tables and conditioning built once per step
+    fused_pre_attention: bool = True  # norm + RoPE + quantize + ring write in one plugin op
+    fused_gemm_allreduce: bool = True  # output projection GEMM and TP all-reduce fused
+
+    ORDER = ("baked_adaln", "rope_at_write", "ring_cache", "fp8_kv", "conditioning_cache",
+             "fused_pre_attention", "fused_gemm_allreduce")
+
+    @classmethod
+    def baseline(cls) -> "Switches":
+        return cls(**{f.name: False for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def cumulative(cls, upto: str) -> "Switches":
+        """Baseline plus every switch in ORDER up to and including `upto` (the waterfall arms).
+        RoPE at write brings the delta rotation with it."""
+        if upto == "baseline":
+            return cls.baseline()
+        on = cls.ORDER[: cls.ORDER.index(upto) + 1]
+        kw = {name: name in on for name in cls.ORDER}
+        kw["delta_rotation"] = kw["rope_at_write"]
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """What precision each part runs in. Not an optimization switch: these change the output.
+
+    fp8_gemm: block linears take per-token FP8 activations (weights are always stored FP8 with
+    per-output-channel scales). fp8_attention: attention reads FP8 K/V (the paper's production
+    and baseline both do; off gives the paper's "bf16 cache" arm).
+    """
+
+    dtype: str = "bfloat16"  # activations and the unquantized cache: "bfloat16" or "float32"
+    fp8_gemm: bool = True
+    fp8_attention: bool = True
+    fast_accum: bool = False  # cuBLASLt FP8 fast accumulation (GPU only; changes numerics)
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"numerics.dtype must be 'bfloat16' or 'float32', not {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelSpec
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    schedule: Schedule = field(default_factory=Schedule)
+    switches: Switches = field(default_factory=Switches)
+    numerics: Numerics = field(default_factory=Numerics)
+    tp: int = 1
+
+    def __post_init__(self):
+        s, c = self.switches, self.cache
+        if s.ring_cache and not s.rope_at_write:
+            raise ValueError(
+                "ring_cache=True needs rope_at_write=True: re-applying RoPE at read in slot order "
+                "permutes the temporal positions of cached frames once the ring wraps "
+                "(paper §4.1). Turn rope_at_write on or ring_cache off.")
+        if s.rope_at_write != s.delta_rotation:
+            raise ValueError(
+                "rope_at_write and delta_rotation go together: keys cached after RoPE need the "
+                "delta rotation at each reset, and without RoPE at write there is nothing to "
+                f"rotate. Set both to {s.rope_at_write or s.delta_rotation}.")
+        if s.fp8_kv and not self.numerics.fp8_attention:
+            raise ValueError(
+                "fp8_kv=True stores K/V for FP8 attention: set numerics.fp8_attention=True, "
+                "or fp8_kv=False for a bf16 cache.")
+        if c.window > c.reset_period:
+            raise ValueError(
+                f"cache.window {c.window} is longer than cache.reset_period {c.reset_period}: a "
+                "key would be delta-rotated twice. Use a window <= the reset period.")
+        if c.calibration_steps < 1:
+            raise ValueError("cache.calibration_steps must be at least 1")
+        if self.tp < 1 or self.tp > self.model.n_heads:
+            raise ValueError(
+                f"tp={self.tp} does not fit {self.model.name}'s {self.model.n_heads} heads: heads "
+                f"are split whole, so use 1 <= tp <= {self.model.n_heads}.")
+        mlp_blocks = self.model.mlp_hidden // self.model.mlp_align
+        if self.tp > mlp_blocks:
+            raise ValueError(f"tp={self.tp} exceeds the {mlp_blocks} MLP blocks of "
+                             f"{self.model.mlp_align} channels")
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def preset(name: str, **kw) -> EngineConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return EngineConfig(model=PRESETS[name], **kw)
+
+
+def split_evenly(total: int, parts: int, rank: int) -> tuple[int, int]:
+    """(offset, size) of `rank`'s share when `total` whole units go to `parts` ranks, the first
+    total % parts ranks taking one more."""
+    base, extra = divmod(total, parts)
+    size = base + (rank < extra)
+    offset = rank * base + min(rank, extra)
+    return offset, size
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """One tensor-parallel rank's slice: whole heads, and MLP channels in aligned blocks."""
+
+    tp: int
+    rank: int
+    head_offset: int
+    heads: int
+    mlp_offset: int
+    mlp: int
+
+    @classmethod
+    def of(cls, spec: ModelSpec, tp: int, rank: int) -> "RankShape":
+        if not 0 <= rank < tp:
+            raise ValueError(f"rank {rank} outside TP group of {tp}")
+        h0, h = split_evenly(spec.n_heads, tp, rank)
+        b0, b = split_evenly(spec.mlp_hidden // spec.mlp_align, tp, rank)
+        return cls(tp, rank, h0, h, b0 * spec.mlp_align, b * spec.mlp_align)
+
+    def attn_width(self, spec: ModelSpec) -> int:
+        return self.heads * spec.head_dim
+
+    def in_proj_rows(self, spec: ModelSpec) -> int:
+        return 3 * self.attn_width(spec) + 2 * self.mlp
+
+    def out_proj_cols(self, spec: ModelSpec) -> int:
+        return self.attn_width(spec) + self.mlp

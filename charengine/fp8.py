@@ -1,0 +1,67 @@
+"""FP8 (e4m3) quantization: per-token activations, per-channel weights, per-head KV, and the
+scaled matmul. On CUDA the matmul is `torch._scaled_mm`; elsewhere it is emulated exactly
+(FP8 values are exact in fp32, products are exact, sums accumulate in fp32)."""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_TINY = 1e-12
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale, saturated to +-448, rounded to e4m3. `scale` broadcasts against x."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token, or per-output-channel for a weight) scales: amax / 448."""
+    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(_TINY) / FP8_MAX
+    return quantize(x, scale), scale
+
+
+def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
+              w_scale: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False):
+    """(a_q * a_scale) @ (w_q * w_scale).T with a_q [M, K], a_scale [M, 1], w_q [N, K],
+    w_scale [N]."""
+    if a_q.is_cuda:
+        return torch._scaled_mm(a_q, w_q.t(), scale_a=a_scale.float(),
+                                scale_b=w_scale.float()[None, :], out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
+    out = a_q.float() @ w_q.float().t()
+    return (out * a_scale * w_scale[None, :]).to(out_dtype)
+
+
+def quant_dequant_per_head(x: torch.Tensor) -> torch.Tensor:
+    """x [H, N, D] through FP8 with one scale per head (the queries' per-call quantization)."""
+    scale = x.float().abs().amax(dim=(-2, -1), keepdim=True).clamp_min(_TINY) / FP8_MAX
+    return dequantize(quantize(x, scale), scale, x.dtype)
+
+
+def quant_dequant_per_tensor(x: torch.Tensor) -> torch.Tensor:
+    scale = x.float().abs().amax().clamp_min(_TINY) / FP8_MAX
+    return dequantize(quantize(x, scale), scale, x.dtype)
+
+
+def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
+           fp8_activations: bool, fast_accum: bool = False) -> torch.Tensor:
+    """An FP8-weight linear: per-token FP8 activations (fp8_activations) or the dequantized
+    weight in out_dtype."""
+    if fp8_activations:
+        aq, a_s = quantize_rows(x)
+        return scaled_mm(aq, a_s, w_q, w_scale, out_dtype, fast_accum)
+    return x.to(out_dtype) @ dequantize(w_q, w_scale[:, None], out_dtype).t()
+
+
+def index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.index_copy_ that also works for FP8 tensors (copied as their bytes)."""
+    src = src.to(dst.dtype)
+    if dst.dtype == FP8:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(dim, index, src)

@@ -1,0 +1,229 @@
+"""The characters DiT on one TP rank: parallel blocks with AdaLN, QK RMS-norm, 3-D RoPE and
+SwiGLU; the forward over a new frame (writing and reading the KV caches) and over the session's
+global tokens.
+
+Block: xm = LN(h) * (1 + scale) + shift; [q k v gate up] = W_in xm (FP8, column-parallel);
+attention over the cache; o = W_out [attn, silu(gate) * up] (FP8, row-parallel), all-reduced;
+h += gate_ada * o. Shift, scale and gate come from the pass's timestep alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import fp8
+from .cache import KVCache
+from .config import EngineConfig, RankShape
+from .rope import RopeTables, cos_sin, rotate
+from .ops import rms_norm_heads
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def timestep_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding of sigma * 1000, [..., dim]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32,
+                                                         device=sigma.device) / half)
+    a = (sigma.float() * 1000.0)[..., None] * freqs
+    return torch.cat([torch.cos(a), torch.sin(a)], dim=-1)
+
+
+def bake_adaln(cfg: EngineConfig, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """All blocks' modulations for the fixed schedule in one batched GEMM:
+    table [passes, blocks, 3, d] and the final layer's [passes, 2, d]."""
+    spec = cfg.model
+    c = conditioning_vector(state, torch.tensor(cfg.schedule.sigmas), spec.time_freq_dim)
+    w = torch.stack([state[f"blocks.{i}.adaln.weight"].float() for i in range(spec.n_blocks)])
+    b = torch.stack([state[f"blocks.{i}.adaln.bias"].float() for i in range(spec.n_blocks)])
+    table = torch.einsum("bod,pd->pbo", w, F.silu(c)) + b[None]
+    final = F.silu(c) @ state["final_adaln.weight"].float().t() + state["final_adaln.bias"].float()
+    d = spec.dim
+    return table.reshape(len(cfg.schedule.sigmas), spec.n_blocks, 3, d), final.reshape(-1, 2, d)
+
+
+def conditioning_vector(w: dict[str, torch.Tensor], sigma: torch.Tensor, freq_dim: int):
+    e = timestep_embedding(sigma, freq_dim)
+    h = F.silu(e @ w["time_mlp.0.weight"].float().t() + w["time_mlp.0.bias"].float())
+    return h @ w["time_mlp.2.weight"].float().t() + w["time_mlp.2.bias"].float()
+
+
+def patchify(latent: torch.Tensor, p: int) -> torch.Tensor:
+    """[C, H, W] -> tokens [(H/p) * (W/p), C * p * p]."""
+    C, H, W = latent.shape
+    x = latent.reshape(C, H // p, p, W // p, p).permute(1, 3, 0, 2, 4)
+    return x.reshape((H // p) * (W // p), C * p * p)
+
+
+def unpatchify(tokens: torch.Tensor, C: int, H: int, W: int, p: int) -> torch.Tensor:
+    x = tokens.reshape(H // p, W // p, C, p, p).permute(2, 0, 3, 1, 4)
+    return x.reshape(C, H, W)
+
+
+@dataclass
+class StepConditioning:
+    """What a step's four forwards share: built once per step with conditioning_cache on,
+    once per forward with it off."""
+
+    audio: torch.Tensor  # [audio_tokens, d]
+    cos: torch.Tensor  # new frame's RoPE [T, D/2]
+    sin: torch.Tensor
+    c: torch.Tensor | None  # [passes, d] timestep conditioning (plain AdaLN path only)
+    key_cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # baseline: every slot [S, D/2]
+
+
+class CharacterDiT(torch.nn.Module):
+    """One rank of the model. `state` is a rank state (weights.shard of a quantized state)."""
+
+    def __init__(self, cfg: EngineConfig, rank: RankShape, state: dict[str, torch.Tensor],
+                 all_reduce: AllReduce = identity, adaln_tables=None, device="cpu"):
+        super().__init__()
+        from .plugins import gemm_allreduce, pre_attention
+
+        spec = self.spec = cfg.model
+        self.cfg, self.rank = cfg, rank
+        self.dtype = getattr(torch, cfg.numerics.dtype)
+        self.all_reduce = all_reduce
+        self.rope = RopeTables(spec).to(device)
+        self.A = rank.attn_width(spec)
+        self.w = {}
+        for name, t in state.items():
+            keep = t if t.dtype == fp8.FP8 or name.endswith(".scale") else t.to(self.dtype)
+            self.w[name] = keep.to(device)
+            self.register_buffer(name.replace(".", "_"), self.w[name], persistent=False)
+        sw = cfg.switches
+        if sw.baked_adaln:
+            table, final = adaln_tables if adaln_tables is not None else bake_adaln(cfg, state)
+            self.register_buffer("adaln_table", table.to(device, self.dtype), persistent=False)
+            self.register_buffer("final_table", final.to(device, self.dtype), persistent=False)
+        self.register_buffer("sigmas", torch.tensor(cfg.schedule.sigmas, device=device),
+                             persistent=False)
+        self.pre_attention = pre_attention.select(torch.device(device)) \
+            if sw.fused_pre_attention else None
+        self.gemm_allreduce = gemm_allreduce.select(torch.device(device)) \
+            if sw.fused_gemm_allreduce else None
+
+    # ---- pieces -------------------------------------------------------------------------
+    def dense(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return (x.to(self.dtype) @ self.w[f"{name}.weight"].t()) + self.w[f"{name}.bias"]
+
+    def fp8_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        nm = self.cfg.numerics
+        return fp8.linear(x, self.w[f"{name}.q"], self.w[f"{name}.scale"], self.dtype,
+                          nm.fp8_gemm, nm.fast_accum)
+
+    def modulation(self, b: int, p: int, cond: StepConditioning) -> torch.Tensor:
+        if self.cfg.switches.baked_adaln:
+            return self.adaln_table[p, b]
+        m = self.dense(F.silu(cond.c[p]), f"blocks.{b}.adaln")
+        return m.reshape(3, self.spec.dim)
+
+    def final_modulation(self, p: int, cond: StepConditioning) -> torch.Tensor:
+        if self.cfg.switches.baked_adaln:
+            return self.final_table[p]
+        return self.dense(F.silu(cond.c[p]), "final_adaln").reshape(2, self.spec.dim)
+
+    def conditioning(self, audio_features: torch.Tensor, cache: KVCache) -> StepConditioning:
+        cos, sin = cos_sin(self.rope.frame_angles(cache.temporal_index()))
+        c = None
+        if not self.cfg.switches.baked_adaln:
+            c = conditioning_vector(self.w, self.sigmas, self.spec.time_freq_dim).to(self.dtype)
+        key = None if self.cfg.switches.rope_at_write else cache.key_cos_sin(self.rope)
+        return StepConditioning(self.dense(audio_features, "audio_proj"), cos, sin, c, key)
+
+    def qkv_mlp(self, b: int, h: torch.Tensor, mod: torch.Tensor):
+        shift, scale, _ = mod
+        xm = F.layer_norm(h, (self.spec.dim,), eps=self.spec.norm_eps) * (1 + scale) + shift
+        y = self.fp8_linear(xm, f"blocks.{b}.w_in")
+        T, H, D = h.shape[0], self.rank.heads, self.spec.head_dim
+        q, k, v, g, u = y.split([self.A, self.A, self.A, self.rank.mlp, self.rank.mlp], dim=-1)
+        heads = [t.reshape(T, H, D).transpose(0, 1) for t in (q, k, v)]
+        return (*heads, F.silu(g) * u)
+
+    def norm_qk(self, b: int, q, k):
+        eps = self.spec.norm_eps
+        return (rms_norm_heads(q, self.w[f"blocks.{b}.q_norm"], eps),
+                rms_norm_heads(k, self.w[f"blocks.{b}.k_norm"], eps))
+
+    def attend(self, q, k, v, mask) -> torch.Tensor:
+        if self.cfg.numerics.fp8_attention:
+            q = fp8.quant_dequant_per_head(q) if self.cfg.switches.fp8_kv \
+                else fp8.quant_dequant_per_tensor(q)
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, :])[0]
+        return o.transpose(0, 1).reshape(q.shape[1], self.A)
+
+    def finish_block(self, b: int, h, attn, mlp, mod):
+        x = torch.cat([attn, mlp], dim=-1)
+        name = f"blocks.{b}.w_out"
+        if self.gemm_allreduce is not None:
+            nm = self.cfg.numerics
+            o = self.gemm_allreduce(x, self.w[f"{name}.q"], self.w[f"{name}.scale"], self.dtype,
+                                    nm.fp8_gemm, nm.fast_accum, self.all_reduce)
+        else:
+            o = self.all_reduce(self.fp8_linear(x, name))
+        return h + mod[2] * o
+
+    # ---- forwards -----------------------------------------------------------------------
+    def frame_block(self, b: int, p: int, h, cond: StepConditioning, cache: KVCache, mask):
+        bp = b * self.cfg.schedule.passes + p
+        mod = self.modulation(b, p, cond)
+        q, k, v, mlp = self.qkv_mlp(b, h, mod)
+        if self.pre_attention is not None:
+            q = self.pre_attention(
+                q, k, v, self.w[f"blocks.{b}.q_norm"], self.w[f"blocks.{b}.k_norm"],
+                self.spec.norm_eps, cond.cos, cond.sin,
+                cache.k8[bp] if cache.quantized else cache.k[bp],
+                cache.v8[bp] if cache.quantized else cache.v[bp],
+                cache.scale[bp, 0] if cache.quantized else None,
+                cache.scale[bp, 1] if cache.quantized else None, cache.frame_index())
+        else:
+            q, k = self.norm_qk(b, q, k)
+            q = rotate(q, cond.cos, cond.sin)
+            if self.cfg.switches.rope_at_write:
+                k = rotate(k, cond.cos, cond.sin)
+            cache.write(bp, k, v)
+        kc, vc = cache.read(bp, cond.key_cos_sin)
+        return self.finish_block(b, h, self.attend(q, kc, vc, mask), mlp, mod)
+
+    def forward_frame(self, x: torch.Tensor, p: int, cond: StepConditioning, cache: KVCache,
+                      mask=None) -> torch.Tensor:
+        """Velocity for the new latent's tokens x [video_tokens, patch_dim] at pass p; writes
+        the frame's K/V into caches (block, p)."""
+        h = torch.cat([self.dense(x, "patch_embed"), cond.audio])
+        for b in range(self.spec.n_blocks):
+            h = self.frame_block(b, p, h, cond, cache, mask)
+        shift, scale = self.final_modulation(p, cond)
+        hv = h[: self.spec.video_tokens]
+        hv = F.layer_norm(hv, (self.spec.dim,), eps=self.spec.norm_eps) * (1 + scale) + shift
+        return self.dense(hv, "final").float()
+
+    def forward_global(self, ref_tokens: torch.Tensor, prompt: torch.Tensor, cache: KVCache):
+        """Session start: for every pass, run the global tokens (reference image, prompt)
+        through the blocks, attending among themselves, and write their K/V into the global
+        slots of caches (block, pass)."""
+        cos, sin = cos_sin(self.rope.global_angles())
+        h0 = torch.cat([self.dense(ref_tokens, "patch_embed"), self.dense(prompt, "text_proj")])
+        c = None
+        if not self.cfg.switches.baked_adaln:
+            c = conditioning_vector(self.w, self.sigmas, self.spec.time_freq_dim).to(self.dtype)
+        cond = StepConditioning(None, cos, sin, c, None)
+        for p in range(self.cfg.schedule.passes):
+            h = h0
+            for b in range(self.spec.n_blocks):
+                mod = self.modulation(b, p, cond)
+                q, k, v, mlp = self.qkv_mlp(b, h, mod)
+                q, k = self.norm_qk(b, q, k)
+                q, kr = rotate(q, cos, sin), rotate(k, cos, sin)
+                cache.write_global(b * self.cfg.schedule.passes + p,
+                                   kr if self.cfg.switches.rope_at_write else k, v)
+                o = F.scaled_dot_product_attention(q[None], kr[None], v[None])[0]
+                h = self.finish_block(b, h, o.transpose(0, 1).reshape(h.shape[0], self.A), mlp, mod)

@@ -1,0 +1,153 @@
+"""Checkpoint layout: tensor names and shapes, random weights of the exact shapes, loading and
+checking a safetensors checkpoint, FP8 quantization of the block linears, TP sharding.
+
+The checkpoint is full precision (float32, bfloat16 or float16), unsharded:
+    patch_embed.{weight,bias}     [d, patch_dim], [d]         latent patch -> token
+    audio_proj.{weight,bias}      [d, audio_dim], [d]         audio feature -> token
+    text_proj.{weight,bias}       [d, text_dim], [d]          prompt feature -> token
+    time_mlp.{0,2}.{weight,bias}  [d, time_freq_dim], [d, d]  sigma embedding -> c
+    blocks.{i}.w_in               [3d + 2h, d]   rows: q | k | v (head-major) | gate | up
+    blocks.{i}.w_out              [d, d + h]     columns: attention (head-major) | MLP hidden
+    blocks.{i}.{q_norm,k_norm}    [head_dim]     QK RMS-norm weights
+    blocks.{i}.adaln.{weight,bias} [3d, d], [3d] shift | scale | gate from silu(c)
+    final_adaln.{weight,bias}     [2d, d], [2d]  shift | scale of the final norm
+    final.{weight,bias}           [patch_dim, d], [patch_dim]
+A rank's engine weights hold the block linears as FP8 (`.q`, e4m3) with per-output-channel
+fp32 scales (`.scale`), cut to the rank's heads and MLP channels; the rest is replicated.
+Only safetensors are read: no pickle is ever loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import fp8
+from .config import ModelSpec, RankShape
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    d = spec.dim
+    shapes = {
+        "patch_embed.weight": (d, spec.patch_dim), "patch_embed.bias": (d,),
+        "audio_proj.weight": (d, spec.audio_dim), "audio_proj.bias": (d,),
+        "text_proj.weight": (d, spec.text_dim), "text_proj.bias": (d,),
+        "time_mlp.0.weight": (d, spec.time_freq_dim), "time_mlp.0.bias": (d,),
+        "time_mlp.2.weight": (d, d), "time_mlp.2.bias": (d,),
+        "final_adaln.weight": (2 * d, d), "final_adaln.bias": (2 * d,),
+        "final.weight": (spec.patch_dim, d), "final.bias": (spec.patch_dim,),
+    }
+    for i in range(spec.n_blocks):
+        shapes |= {
+            f"blocks.{i}.w_in": (spec.in_proj_dim, d),
+            f"blocks.{i}.w_out": (d, spec.out_proj_dim),
+            f"blocks.{i}.q_norm": (spec.head_dim,), f"blocks.{i}.k_norm": (spec.head_dim,),
+            f"blocks.{i}.adaln.weight": (3 * d, d), f"blocks.{i}.adaln.bias": (3 * d,),
+        }
+    return shapes
+
+
+def block_linear_names(spec: ModelSpec) -> list[str]:
+    return [f"blocks.{i}.{w}" for i in range(spec.n_blocks) for w in ("w_in", "w_out")]
+
+
+def random_weights(spec: ModelSpec, seed: int, device="cpu", dtype=torch.float32):
+    """Random weights of the exact shapes, scaled so the AR rollout stays bounded."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    fan_in_scale = {"w_out": 0.5, "adaln.weight": 0.5, "final_adaln.weight": 0.5}
+    out = {}
+    for name, shape in param_shapes(spec).items():
+        if name.endswith("norm"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith("bias"):
+            t = 0.02 * torch.randn(shape, generator=g)
+        else:
+            gain = next((v for k, v in fan_in_scale.items() if name.endswith(k)), 1.0)
+            t = torch.randn(shape, generator=g) * (gain / shape[1] ** 0.5)
+        out[name] = t.to(device=device, dtype=dtype)
+    return out
+
+
+def check_state(spec: ModelSpec, state: dict[str, torch.Tensor], where: str) -> None:
+    want = param_shapes(spec)
+    missing = [n for n in want if n not in state]
+    if missing:
+        raise CheckpointError(f"{where}: missing tensor {missing[0]!r} (shape {list(want[missing[0]])}"
+                              f" for {spec.name}){f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
+    extra = sorted(set(state) - set(want))
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r}: not part of {spec.name}'s layout")
+    for name, shape in want.items():
+        t = state[name]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {list(t.shape)}, "
+                                  f"{spec.name} needs {list(shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {t.dtype}, expected one of "
+                                  "float32, bfloat16, float16")
+
+
+def load_checkpoint(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Read and check a safetensors checkpoint against `spec`."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for a damaged header
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    check_state(spec, state, str(path))
+    return state
+
+
+def quantize_block_linears(spec: ModelSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full-precision checkpoint -> block linears as FP8 + per-output-channel scales."""
+    out = {}
+    linears = set(block_linear_names(spec))
+    for name, t in state.items():
+        if name in linears:
+            q, s = fp8.quantize_rows(t.float())
+            out[f"{name}.q"], out[f"{name}.scale"] = q, s[:, 0].contiguous()
+        else:
+            out[name] = t.float()
+    return out
+
+
+def _in_rows(spec: ModelSpec, r: RankShape) -> torch.Tensor:
+    d, D, h = spec.dim, spec.head_dim, spec.mlp_hidden
+    a0, a = r.head_offset * D, r.heads * D
+    parts = [torch.arange(a0, a0 + a) + k * d for k in range(3)]
+    parts += [3 * d + torch.arange(r.mlp_offset, r.mlp_offset + r.mlp) + k * h for k in range(2)]
+    return torch.cat(parts)
+
+
+def _out_cols(spec: ModelSpec, r: RankShape) -> torch.Tensor:
+    D = spec.head_dim
+    a0, a = r.head_offset * D, r.heads * D
+    return torch.cat([torch.arange(a0, a0 + a),
+                      spec.dim + torch.arange(r.mlp_offset, r.mlp_offset + r.mlp)])
+
+
+def shard(spec: ModelSpec, qstate: dict[str, torch.Tensor], r: RankShape) -> dict[str, torch.Tensor]:
+    """Cut a quantized state to one rank: input projection rows (column-parallel) and output
+    projection columns (row-parallel) of the rank's heads and MLP channels. Scales are of the
+    full rows, so the ranks' partial sums add up to the TP-1 result."""
+    rows, cols = _in_rows(spec, r), _out_cols(spec, r)
+    out = {}
+    for name, t in qstate.items():
+        if name.endswith("w_in.q") or name.endswith("w_in.scale"):
+            out[name] = t[rows].contiguous()
+        elif name.endswith("w_out.q"):
+            out[name] = t[:, cols].contiguous()
+        else:
+            out[name] = t
+    return out
