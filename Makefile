@@ -1,6 +1,7 @@
 # Two commands from a fresh machine: `make demo` and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -11,7 +12,17 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+engines/cpu-tiny/manifest.json: $(VENV)/.installed
+	$(BIN)/charbuild --target cpu-tiny --random-weights --seed 0 --out engines/cpu-tiny
+
+demo: engines/cpu-tiny/manifest.json
+	$(BIN)/charrun --engine engines/cpu-tiny --image assets/face.png --audio assets/speech.wav \
+		--prompt "a cheerful cartoon character" --out out/demo.mp4
+
+assets: $(VENV)/.installed
+	$(PY) scripts/make_demo_media.py --out assets
+
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
-.PHONY: install test
+.PHONY: install demo assets test

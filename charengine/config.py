@@ -12,6 +12,34 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class SideSpec:
+    """The networks around the DiT: audio encoder (every step, on the decoder's GPU), latent
+    decoder (every step, its own GPU), image and text encoders (once per session).
+
+    The characters-57b sizes are ours: the paper states 9 ms per step for its audio encoder
+    and 114 ms per latent for its decoder on an H100; these channel counts are to be checked
+    against that on the GPU machine (docs/PERFORMANCE.md)."""
+
+    sample_rate: int = 16000
+    n_fft: int = 400
+    hop: int = 160
+    n_mels: int = 80
+    audio_context: int = 32  # mel frames the encoder sees per step, ending at the step's end
+    audio_width: int = 512
+    audio_layers: int = 4
+    audio_heads: int = 8
+    decoder_channels: tuple[int, ...] = (384, 384, 192, 96, 96)
+    text_width: int = 512
+    text_layers: int = 2
+    text_heads: int = 8
+
+
+TINY_SIDE = SideSpec(n_mels=40, audio_context=24, audio_width=32, audio_layers=1, audio_heads=2,
+                     decoder_channels=(32, 32, 16, 16), text_width=32, text_layers=1,
+                     text_heads=2)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shapes of the characters DiT. Everything else (token counts, widths) is derived.
 
@@ -48,8 +76,11 @@ class ModelSpec:
     rope_theta: float = 10000.0
     time_freq_dim: int = 256
     norm_eps: float = 1e-6
+    side: SideSpec = field(default_factory=SideSpec)
 
     def __post_init__(self):
+        if len(self.side.decoder_channels) < max(self.frames_per_latent, self.vae_stride).bit_length():
+            raise ValueError(f"{self.name}: side.decoder_channels needs one stage per 2x upsample")
         if self.dim % self.n_heads:
             raise ValueError(f"{self.name}: dim {self.dim} is not a multiple of n_heads {self.n_heads}")
         if sum(self.rope_split) != self.head_dim or any(s % 2 for s in self.rope_split):
@@ -103,6 +134,10 @@ class ModelSpec:
         return self.latent_w * self.vae_stride
 
     @property
+    def steps_per_second(self) -> float:
+        return self.fps / self.frames_per_latent
+
+    @property
     def in_proj_dim(self) -> int:
         """QKV (3d) then SwiGLU gate and up (2 x hidden)."""
         return 3 * self.dim + 2 * self.mlp_hidden
@@ -121,12 +156,12 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(
         name="tiny", dim=64, n_heads=4, n_blocks=2, mlp_align=16, latent_channels=8, vae_stride=8,
         grid_h=4, grid_w=4, audio_tokens=1, audio_dim=32, prompt_tokens=8, text_dim=32,
-        rope_split=(6, 4, 6), time_freq_dim=32),
+        rope_split=(6, 4, 6), time_freq_dim=32, side=TINY_SIDE),
     # Ten heads: splits unevenly over 3, 4 and 7 ranks; the uneven-TP tests use it.
     "tiny-10h": ModelSpec(
         name="tiny-10h", dim=80, n_heads=10, n_blocks=2, mlp_align=16, latent_channels=8,
         vae_stride=8, grid_h=4, grid_w=4, audio_tokens=1, audio_dim=32, prompt_tokens=8,
-        text_dim=32, rope_split=(2, 2, 4), time_freq_dim=32),
+        text_dim=32, rope_split=(2, 2, 4), time_freq_dim=32, side=TINY_SIDE),
 }
 
 
@@ -306,3 +341,33 @@ class RankShape:
 
     def out_proj_cols(self, spec: ModelSpec) -> int:
         return self.attn_width(spec) + self.mlp
+
+
+def _from_dict(cls, d: dict):
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            continue
+        v = d[f.name]
+        if f.name in _NESTED.get(cls.__name__, {}):
+            v = _from_dict(_NESTED[cls.__name__][f.name], v)
+        elif isinstance(v, list):
+            v = tuple(v)
+        kw[f.name] = v
+    return cls(**kw)
+
+
+_NESTED = {
+    "EngineConfig": {"model": ModelSpec, "cache": CacheSpec, "schedule": Schedule,
+                     "switches": Switches, "numerics": Numerics},
+    "ModelSpec": {"side": SideSpec},
+}
+
+
+def config_to_dict(cfg: EngineConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict) -> EngineConfig:
+    """Inverse of config_to_dict; validates like any construction."""
+    return _from_dict(EngineConfig, d)

@@ -19,6 +19,7 @@ Only safetensors are read: no pickle is ever loaded.
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import torch
@@ -59,21 +60,23 @@ def block_linear_names(spec: ModelSpec) -> list[str]:
     return [f"blocks.{i}.{w}" for i in range(spec.n_blocks) for w in ("w_in", "w_out")]
 
 
-def random_weights(spec: ModelSpec, seed: int, device="cpu", dtype=torch.float32):
-    """Random weights of the exact shapes, scaled so the AR rollout stays bounded."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    fan_in_scale = {"w_out": 0.5, "adaln.weight": 0.5, "final_adaln.weight": 0.5}
-    out = {}
-    for name, shape in param_shapes(spec).items():
-        if name.endswith("norm"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith("bias"):
-            t = 0.02 * torch.randn(shape, generator=g)
-        else:
-            gain = next((v for k, v in fan_in_scale.items() if name.endswith(k)), 1.0)
-            t = torch.randn(shape, generator=g) * (gain / shape[1] ** 0.5)
-        out[name] = t.to(device=device, dtype=dtype)
-    return out
+def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype=torch.float32):
+    """One tensor of the random checkpoint; seeded per name, so a builder can make any one
+    tensor without the rest. Scaled so the AR rollout stays bounded."""
+    g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith("norm"):
+        t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+    elif name.endswith("bias"):
+        t = 0.02 * torch.randn(shape, generator=g)
+    else:
+        gain = 0.5 if name.endswith(("w_out", "adaln.weight")) else 1.0
+        t = torch.randn(shape, generator=g) * (gain / shape[1] ** 0.5)
+    return t.to(dtype)
+
+
+def random_weights(spec: ModelSpec, seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    return {name: random_tensor(name, shape, seed, dtype)
+            for name, shape in param_shapes(spec).items()}
 
 
 def check_state(spec: ModelSpec, state: dict[str, torch.Tensor], where: str) -> None:
@@ -95,8 +98,9 @@ def check_state(spec: ModelSpec, state: dict[str, torch.Tensor], where: str) -> 
                                   "float32, bfloat16, float16")
 
 
-def load_checkpoint(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Read and check a safetensors checkpoint against `spec`."""
+def load_checkpoint(path: str | Path, spec: ModelSpec, side_prefixes: tuple[str, ...] = ()):
+    """Read and check a safetensors checkpoint against `spec`. Tensors under `side_prefixes`
+    (the side networks) are returned apart: (model state, side state)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
@@ -105,8 +109,9 @@ def load_checkpoint(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor
             state = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for a damaged header
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    side = {k: state.pop(k) for k in list(state) if k.startswith(side_prefixes)}
     check_state(spec, state, str(path))
-    return state
+    return state, side
 
 
 def quantize_block_linears(spec: ModelSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -20,7 +20,8 @@ def good(tmp_path):
 
 def test_good_checkpoint_loads_exactly(good):
     path, state = good
-    loaded = load_checkpoint(path, SPEC)
+    loaded, side = load_checkpoint(path, SPEC)
+    assert side == {}
     assert set(loaded) == set(param_shapes(SPEC))
     assert all(torch.equal(loaded[k], state[k]) for k in state)
 

@@ -1,0 +1,58 @@
+"""charbuild: build an engine directory for a target."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from charengine.config import PRESETS
+from charengine.target import Target
+from charengine.weights import CheckpointError
+
+TARGETS_DIR = Path(__file__).resolve().parents[1] / "engines" / "targets"
+
+
+def find_target(name: str) -> Target:
+    path = Path(name)
+    if not path.suffix:
+        path = TARGETS_DIR / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in TARGETS_DIR.glob("*.toml")))
+        raise click.ClickException(f"unknown target {name!r}; known targets: {known}")
+    try:
+        return Target.from_toml(path)
+    except (ValueError, TypeError) as e:
+        raise click.ClickException(f"{path}: {e}") from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--target", "target_name", required=True,
+              help="Target name (a file in engines/targets/) or a path to a target .toml.")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="Engine directory to write (replaced if it exists).")
+@click.option("--weights", type=click.Path(path_type=Path),
+              help="Full-precision safetensors checkpoint of the model (see charengine.weights).")
+@click.option("--random-weights", is_flag=True, help="Random weights of the exact shapes.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for --random-weights.")
+@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)),
+              help="Model preset, overriding the target's.")
+def main(target_name, out, weights, random_weights, seed, preset_name):
+    """Bake a per-rank engine: FP8 weights and scales, AdaLN tables for the fixed schedule,
+    side networks, and a manifest with checksums that charrun checks before loading."""
+    from .build import build
+
+    if bool(weights) == random_weights:
+        raise click.UsageError("give exactly one of --weights CKPT and --random-weights")
+    target = find_target(target_name)
+    try:
+        m = build(target, out, weights=weights, seed=None if weights else seed,
+                  preset_name=preset_name, log=lambda s: click.echo(s, err=True))
+    except (CheckpointError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"built {target.name} ({m['config']['model']['name']}, TP-{m['tp']}) -> {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

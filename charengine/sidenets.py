@@ -1,0 +1,37 @@
+"""The side networks as one module tree, so they load and save as one state dict with the
+prefixes audio_encoder., decoder., image_encoder., text_encoder."""
+
+from __future__ import annotations
+
+import torch
+
+from .audio import AudioEncoder
+from .config import ModelSpec
+from .decoder import Decoder, ImageEncoder
+from .text import TextEncoder
+
+PREFIXES = ("audio_encoder.", "decoder.", "image_encoder.", "text_encoder.")
+
+
+class SideNets(torch.nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.audio_encoder = AudioEncoder(spec)
+        self.decoder = Decoder(spec)
+        self.image_encoder = ImageEncoder(spec)
+        self.text_encoder = TextEncoder(spec)
+
+
+def random_side_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return {k: v.detach().clone() for k, v in SideNets(spec).state_dict().items()}
+
+
+def load_side(spec: ModelSpec, state: dict[str, torch.Tensor], device="cpu") -> SideNets:
+    nets = SideNets(spec)
+    missing, unexpected = nets.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        name = (missing or unexpected)[0]
+        raise ValueError(f"side networks: {'missing' if missing else 'unexpected'} tensor {name!r}")
+    return nets.to(device).eval()

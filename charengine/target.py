@@ -1,0 +1,72 @@
+"""Deployment targets: GPU kind, TP degree, decoder placement and switches, read from data
+files (engines/targets/*.toml). Shared by the builder (which bakes a target into an engine)
+and the runtime (which reads it back from the manifest and checks it against the machine)."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import EngineConfig, Numerics, Switches, preset
+
+DECODER_PLACEMENTS = ("own-gpu", "shared")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    preset: str
+    device: str  # "cpu" or "cuda"
+    tp: int
+    decoder: str  # "own-gpu": rank 0 decodes on GPU 0, TP ranks on 1..tp; "shared": one device
+    gpu: str | None = None  # e.g. "H100"; informative, the arch is what must match
+    gpu_arch: str | None = None  # e.g. "sm_90"
+    switches: Switches = field(default_factory=Switches)
+    numerics: Numerics = field(default_factory=Numerics)
+    description: str = ""
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"target {self.name}: device must be 'cpu' or 'cuda', not {self.device!r}")
+        if self.decoder not in DECODER_PLACEMENTS:
+            raise ValueError(f"target {self.name}: decoder must be one of {DECODER_PLACEMENTS}")
+        if self.device == "cuda" and not self.gpu_arch:
+            raise ValueError(f"target {self.name}: a cuda target names its gpu_arch (e.g. sm_90)")
+
+    @property
+    def gpus(self) -> int:
+        if self.device == "cpu":
+            return 0
+        return self.tp + (1 if self.decoder == "own-gpu" else 0)
+
+    def rank_devices(self) -> dict:
+        """Which device runs the decoder (and audio encoder) and each TP rank."""
+        if self.device == "cpu":
+            return {"decoder": "cpu", "tp": ["cpu"] * self.tp}
+        first = 1 if self.decoder == "own-gpu" else 0
+        return {"decoder": "cuda:0", "tp": [f"cuda:{first + r}" for r in range(self.tp)]}
+
+    def config(self, preset_name: str | None = None) -> EngineConfig:
+        return preset(preset_name or self.preset, switches=self.switches,
+                      numerics=self.numerics, tp=self.tp)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Target":
+        d = dict(d)
+        sw = Switches(**d.pop("switches", {}))
+        nm = Numerics(**d.pop("numerics", {}))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"target {d.get('name', '?')}: unknown field {unknown[0]!r}")
+        return cls(switches=sw, numerics=nm, **d)
+
+    @classmethod
+    def from_toml(cls, path: Path) -> "Target":
+        with open(path, "rb") as f:
+            return cls.from_dict(tomllib.load(f))

@@ -1,0 +1,113 @@
+"""charrun: load an engine (checked against this machine) and run a session from a reference
+image and speech into an MP4."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from charengine import audio as audio_mod
+
+from .engine import Engine, EngineError
+from .media import MediaError, Mp4Writer, read_audio, read_image
+
+
+def percentiles(ms: list[float]) -> dict[str, float]:
+    if not ms:
+        return {}
+    qs = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else [ms[0]] * 99
+    return {"p50": qs[49], "p90": qs[89], "p99": qs[98], "max": max(ms)}
+
+
+def summary_table(times, steps_done: int, wall_s: float, fps: int, frames_per_latent: int):
+    t = Table(title=f"{steps_done} steps, {steps_done * frames_per_latent} frames in "
+                    f"{wall_s:.2f} s ({steps_done * frames_per_latent / max(wall_s, 1e-9):.1f} fps "
+                    f"generated; real time is {fps})")
+    t.add_column("ms per step")
+    for c in ("p50", "p90", "p99", "max"):
+        t.add_column(c, justify="right")
+    ends = [e for _, e in times.diffusion]
+    rows = {"audio encoder": [1e3 * (e - s) for s, e in times.audio],
+            "diffusion": [1e3 * (e - s) for s, e in times.diffusion],
+            "decoder": [1e3 * (e - s) for s, e in times.decode],
+            "period": [1e3 * (b - a) for a, b in zip(ends, ends[1:])]}
+    for name, ms in rows.items():
+        p = percentiles(ms)
+        if p:
+            t.add_row(name, *(f"{p[c]:.1f}" for c in ("p50", "p90", "p99", "max")))
+    return t
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--engine", "engine_dir", type=click.Path(path_type=Path), required=True,
+              help="Engine directory written by charbuild.")
+@click.option("--image", type=click.Path(path_type=Path), required=True,
+              help="Reference image of the character (PNG, JPEG, ...).")
+@click.option("--audio", "audio_path", type=click.Path(path_type=Path), required=True,
+              help="Speech (any format and rate PyAV reads; converted to 16 kHz mono).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="MP4 to write.")
+@click.option("--prompt", default="", help="Text prompt.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
+def main(engine_dir, image, audio_path, out, prompt, seed):
+    """Render a talking character: the image animated to the speech, H.264 + AAC."""
+    err = Console(stderr=True)
+    try:
+        engine = Engine.load(engine_dir)
+        spec = engine.config.model
+        speech = read_audio(audio_path, spec.side.sample_rate)
+        picture = read_image(image, spec.out_h, spec.out_w)
+        from .worker import Worker
+
+        worker = Worker(engine)
+    except (EngineError, MediaError) as e:
+        raise click.ClickException(str(e)) from None
+
+    steps = audio_mod.steps_for(spec, speech.numel())
+    writer = Mp4Writer(out, spec.out_w, spec.out_h, spec.fps, spec.side.sample_rate)
+    done = 0
+    t0 = time.perf_counter()
+    progress = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[fps]:.1f} fps (real time {task.fields[rt]})"),
+                        TimeElapsedColumn(), console=err)
+
+    def sink(i, frames):
+        nonlocal done
+        a, b = audio_mod.step_bounds(spec, i)
+        chunk = speech[a:b]
+        writer.write(frames, torch.nn.functional.pad(chunk, (0, (b - a) - chunk.numel())))
+        done = i + 1
+        if done == 1:
+            click.echo("charrun: first frames written", err=True)
+        el = time.perf_counter() - t0
+        progress.update(task, completed=done, fps=done * spec.frames_per_latent / el)
+
+    interrupted = False
+    times = None
+    try:
+        with progress:
+            task = progress.add_task("steps", total=steps, fps=0.0, rt=spec.fps)
+            worker.start(picture, prompt)
+            times = worker.run(speech, steps, sink, seed=seed)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        writer.close()
+    wall = time.perf_counter() - t0
+    frames = done * spec.frames_per_latent
+    if interrupted:
+        click.echo(f"charrun: interrupted after {done} steps; {out} holds {frames} frames", err=True)
+        sys.exit(130)
+    err.print(summary_table(times, done, wall, spec.fps, spec.frames_per_latent))
+    click.echo(f"wrote {out}: {frames} frames at {spec.fps} fps with audio")
+
+
+if __name__ == "__main__":
+    main()

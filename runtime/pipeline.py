@@ -1,0 +1,115 @@
+"""The in-process pipeline of DESIGN.md §4: three steps in flight, depth-one queues.
+
+    rank 0 (decoder side):  encode audio i, hand it over; then decode latent i-1
+    diffusion:              take audio i, denoise latent i, hand it over
+    sink (caller's thread): take the frames of step i-2, write or play them
+
+Every queue holds one item, so a slow stage holds the others back (backpressure). Each stage
+records when it starts and ends each step; a failure in any stage stops all of them and is
+raised in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class StepTimes:
+    audio: list[tuple[float, float]] = field(default_factory=list)
+    diffusion: list[tuple[float, float]] = field(default_factory=list)
+    decode: list[tuple[float, float]] = field(default_factory=list)
+    sink: list[tuple[float, float]] = field(default_factory=list)
+
+
+class Stopped(Exception):
+    pass
+
+
+class Pipeline:
+    def __init__(self, encode_audio: Callable[[int], torch.Tensor],
+                 diffuse: Callable[[int, torch.Tensor], torch.Tensor],
+                 decode: Callable[[torch.Tensor], torch.Tensor], poll_s: float = 0.05):
+        self.encode_audio, self.diffuse, self.decode = encode_audio, diffuse, decode
+        self.poll_s = poll_s
+        self.times = StepTimes()
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.audio_q: queue.Queue = queue.Queue(maxsize=1)
+        self.latent_q: queue.Queue = queue.Queue(maxsize=1)
+        self.frame_q: queue.Queue = queue.Queue(maxsize=1)
+
+    def _put(self, q: queue.Queue, item) -> None:
+        while not self.stop.is_set():
+            try:
+                q.put(item, timeout=self.poll_s)
+                return
+            except queue.Full:
+                pass
+        raise Stopped
+
+    def _get(self, q: queue.Queue):
+        while not self.stop.is_set():
+            try:
+                return q.get(timeout=self.poll_s)
+            except queue.Empty:
+                pass
+        raise Stopped
+
+    def _timed(self, log: list, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        log.append((t0, time.perf_counter()))
+        return out
+
+    def _guard(self, fn):
+        def run():
+            try:
+                with torch.inference_mode():
+                    fn()
+            except Stopped:
+                pass
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                self.errors.append(e)
+                self.stop.set()
+        return run
+
+    def _rank0(self, steps: int) -> None:
+        for i in range(steps + 1):
+            if i < steps:
+                self._put(self.audio_q, self._timed(self.times.audio, self.encode_audio, i))
+            if i >= 1:
+                latent = self._get(self.latent_q)
+                self._put(self.frame_q, self._timed(self.times.decode, self.decode, latent))
+
+    def _diffusion(self, steps: int) -> None:
+        for i in range(steps):
+            audio = self._get(self.audio_q)
+            self._put(self.latent_q, self._timed(self.times.diffusion, self.diffuse, i, audio))
+
+    def run(self, steps: int, sink: Callable[[int, torch.Tensor], None]) -> StepTimes:
+        """Run `steps` AR steps; `sink(i, frames)` is called in this thread, in order."""
+        threads = [threading.Thread(target=self._guard(lambda: self._rank0(steps)), name="rank0"),
+                   threading.Thread(target=self._guard(lambda: self._diffusion(steps)),
+                                    name="diffusion")]
+        for t in threads:
+            t.start()
+        try:
+            for i in range(steps):
+                frames = self._get(self.frame_q)
+                self._timed(self.times.sink, sink, i, frames)
+        except Stopped:
+            pass
+        finally:
+            self.stop.set()
+            for t in threads:
+                t.join()
+        if self.errors:
+            raise self.errors[0]
+        return self.times

@@ -1,0 +1,18 @@
+"""Shared by the tests: real engines built into temporary directories."""
+
+from pathlib import Path
+
+from charengine.builder.build import build
+from charengine.target import Target
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = ROOT / "engines" / "targets"
+
+
+def build_target(tmp: Path, name: str = "cpu-tiny", **overrides) -> Path:
+    target = Target.from_toml(TARGETS / f"{name}.toml")
+    if overrides:
+        target = Target.from_dict({**target.to_dict(), **overrides})
+    out = tmp / target.name
+    build(target, out, seed=0, log=lambda s: None)
+    return out

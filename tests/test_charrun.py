@@ -1,0 +1,120 @@
+"""charrun end to end on the tiny engine: a real MP4 decoded back, real processes."""
+
+import signal
+import subprocess
+import sys
+import time
+import wave
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from charengine import audio as audio_mod
+from charengine.config import PRESETS
+from charengine.runtime.engine import Engine
+from charengine.runtime.worker import Worker
+from engines import ROOT, build_target
+
+FACE, SPEECH = ROOT / "assets/face.png", ROOT / "assets/speech.wav"
+CHARRUN = [sys.executable, "-m", "charengine.runtime.cli"]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    return build_target(tmp_path_factory.mktemp("eng"))
+
+
+def probe(path):
+    with av.open(str(path)) as c:
+        v, a = c.streams.video[0], c.streams.audio[0]
+        frames = sum(1 for _ in c.decode(v))
+        audio_s = float(a.duration * a.time_base)
+        return frames, v.average_rate, audio_s, (v.codec_context.name, a.codec_context.name)
+
+
+def write_wav(path, seconds, rate, channels):
+    t = np.arange(int(seconds * rate)) / rate
+    x = (0.3 * np.sin(2 * np.pi * 200 * t))[:, None].repeat(channels, 1)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((x * 32767).astype("<i2").tobytes())
+
+
+def run_charrun(engine_dir, audio, out, **kw):
+    return subprocess.run(CHARRUN + ["--engine", str(engine_dir), "--image", str(FACE),
+                                     "--audio", str(audio), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_mp4_has_four_frames_per_step_at_24fps_with_audio_in_sync(engine_dir, tmp_path):
+    r = run_charrun(engine_dir, SPEECH, tmp_path / "o.mp4")
+    assert r.returncode == 0, r.stderr
+    spec = PRESETS["tiny"]
+    with wave.open(str(SPEECH)) as w:
+        steps = audio_mod.steps_for(spec, w.getnframes() * 16000 // w.getframerate())
+    frames, rate, audio_s, codecs = probe(tmp_path / "o.mp4")
+    assert codecs == ("h264", "aac")
+    assert frames == 4 * steps and rate == 24
+    assert abs(audio_s - frames / 24) <= 1 / 24
+    assert "diffusion" in r.stderr and "p50" in r.stderr  # the summary table
+
+
+def test_stereo_44k_speech_is_converted(engine_dir, tmp_path):
+    write_wav(tmp_path / "s.wav", 1.0, 44100, 2)
+    r = run_charrun(engine_dir, tmp_path / "s.wav", tmp_path / "o.mp4")
+    assert r.returncode == 0, r.stderr
+    frames, _, audio_s, _ = probe(tmp_path / "o.mp4")
+    assert frames == 4 * 6 and abs(audio_s - 1.0) <= 1 / 24
+
+
+def test_a_file_that_is_not_audio_is_refused(engine_dir, tmp_path):
+    r = run_charrun(engine_dir, FACE, tmp_path / "o.mp4")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "not an audio file" in r.stderr
+
+
+def test_ctrl_c_leaves_a_playable_mp4_of_what_was_generated(engine_dir, tmp_path):
+    write_wav(tmp_path / "long.wav", 120.0, 16000, 1)
+    p = subprocess.Popen(CHARRUN + ["--engine", str(engine_dir), "--image", str(FACE),
+                                    "--audio", str(tmp_path / "long.wav"), "--out",
+                                    str(tmp_path / "o.mp4")],
+                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    for line in p.stderr:
+        if "first frames written" in line or time.time() > deadline:
+            break
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    frames, rate, audio_s, _ = probe(tmp_path / "o.mp4")
+    assert 4 <= frames < 4 * 720 and frames % 4 == 0 and rate == 24
+    assert abs(audio_s - frames / 24) <= 1 / 24
+    assert f"holds {frames} frames" in err
+
+
+def test_pipeline_overlaps_decoding_with_the_next_diffusion_and_applies_backpressure(engine_dir):
+    worker = Worker(Engine.load(engine_dir))
+    spec = worker.spec
+    worker.start(torch.rand(3, spec.out_h, spec.out_w), "hello")
+    speech = torch.randn(16000 * 3) * 0.1
+    steps = audio_mod.steps_for(spec, speech.numel())
+
+    def slow_sink(i, frames):
+        assert frames.shape == (4, 3, spec.out_h, spec.out_w)
+        time.sleep(0.03)
+
+    t = worker.run(speech, steps, slow_sink)
+    assert len(t.diffusion) == len(t.decode) == len(t.sink) == steps
+    # decoding of step i-1 runs while step i diffuses
+    overlaps = sum(1 for i in range(1, steps)
+                   if t.decode[i - 1][0] < t.diffusion[i][1] and t.decode[i - 1][1] > t.diffusion[i][0])
+    assert overlaps >= (steps - 1) // 2
+    # depth-one queues: diffusion never runs more than 4 steps ahead of playback
+    for i in range(steps):
+        ahead = sum(1 for _, end in t.diffusion if end < t.sink[i][0])
+        assert ahead <= i + 5

@@ -1,0 +1,141 @@
+"""charbuild's engine directory and charrun's checks: each damage or mismatch is refused
+with one clear line, never a traceback."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from charengine.engine_format import this_machine
+from charengine.runtime.engine import Engine, EngineError, check_machine
+from charengine.target import Target
+from engines import ROOT, TARGETS, build_target
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    return build_target(tmp_path_factory.mktemp("eng"))
+
+
+@pytest.fixture
+def copy(engine_dir, tmp_path):
+    dst = tmp_path / "engine"
+    shutil.copytree(engine_dir, dst)
+    return dst
+
+
+def test_engine_holds_manifest_rank_weights_and_tables(engine_dir):
+    m = json.loads((engine_dir / "manifest.json").read_text())
+    assert m["format_version"] == 1 and m["tp"] == 1 and m["target"]["name"] == "cpu-tiny"
+    assert set(m["files"]) == {"rank0.safetensors", "adaln.safetensors", "side.safetensors"}
+    assert m["built_with"]["torch"] == torch.__version__
+    assert m["rank_devices"] == {"decoder": "cpu", "tp": ["cpu"]}
+    rank = load_file(str(engine_dir / "rank0.safetensors"))
+    assert rank["blocks.0.w_in.q"].dtype == torch.float8_e4m3fn
+    assert rank["blocks.0.w_in.scale"].shape == (rank["blocks.0.w_in.q"].shape[0],)
+    tables = load_file(str(engine_dir / "adaln.safetensors"))
+    assert tables["adaln_table"].shape == (4, 2, 3, 64)
+    Engine.load(engine_dir)
+
+
+def test_every_target_file_is_valid():
+    names = {p.stem for p in TARGETS.glob("*.toml")}
+    assert {"cpu-tiny", "h200-tp1", "h100-tp3", "h100-tp7", "b200-tp2"} <= names
+    for p in TARGETS.glob("*.toml"):
+        t = Target.from_toml(p)
+        t.config()
+        assert t.name == p.stem
+
+
+def test_format_version_mismatch(copy):
+    m = json.loads((copy / "manifest.json").read_text())
+    m["format_version"] = 99
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match="engine format 99, this charrun reads format 1"):
+        Engine.load(copy)
+
+
+def test_checksum_mismatch(copy):
+    data = bytearray((copy / "rank0.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (copy / "rank0.safetensors").write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="checksum mismatch in rank0.safetensors"):
+        Engine.load(copy)
+
+
+def test_missing_file(copy):
+    (copy / "side.safetensors").unlink()
+    with pytest.raises(EngineError, match="engine file side.safetensors is missing"):
+        Engine.load(copy)
+
+
+def test_not_an_engine(tmp_path):
+    with pytest.raises(EngineError, match="not an engine directory"):
+        Engine.load(tmp_path)
+
+
+def test_engine_for_a_gpu_is_refused_without_one(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    d = build_target(tmp_path, name="h200-tp1", preset="tiny")
+    with pytest.raises(EngineError, match="needs 1 CUDA GPU .*this machine has no CUDA GPU"):
+        Engine.load(d)
+
+
+def test_tp_degree_larger_than_the_machine_is_refused(tmp_path):
+    d = build_target(tmp_path, name="h100-tp3", preset="tiny")
+    m = json.loads((d / "manifest.json").read_text())
+    two_gpus = {**this_machine(), "gpu_count": 2, "gpu_arch": "sm_90", "gpu_name": "NVIDIA H200",
+                "cuda": m["built_with"]["cuda"]}
+    with pytest.raises(EngineError, match="needs 4 CUDA GPUs .* for TP-3; this machine has 2"):
+        Engine.load(d, machine=two_gpus)
+
+
+def test_other_gpu_arch_is_refused():
+    t = Target.from_toml(TARGETS / "b200-tp2.toml")
+    h200 = {"gpu_count": 8, "gpu_arch": "sm_90", "gpu_name": "NVIDIA H200", "torch": "2.11.0",
+            "cuda": "13.0"}
+    with pytest.raises(EngineError, match="built for sm_100; this machine's GPU is NVIDIA H200"):
+        check_machine(t, {"torch": "2.11.0", "cuda": "13.0"}, h200)
+
+
+def test_other_torch_is_refused(copy):
+    m = json.loads((copy / "manifest.json").read_text())
+    m["built_with"]["torch"] = "2.11.0+cu130"
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match=r"built with torch 2.11.0\+cu130; this machine has torch"):
+        Engine.load(copy)
+
+
+def test_charrun_reports_a_damaged_engine_in_one_line(copy, tmp_path):
+    (copy / "adaln.safetensors").write_bytes(b"junk")
+    r = subprocess.run([sys.executable, "-m", "charengine.runtime.cli", "--engine", str(copy),
+                        "--image", str(ROOT / "assets/face.png"), "--audio",
+                        str(ROOT / "assets/speech.wav"), "--out", str(tmp_path / "o.mp4")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [f"Error: {copy}: checksum mismatch in adaln.safetensors: the file is "
+                     "damaged or was changed after the build; rebuild the engine"]
+    assert not (tmp_path / "o.mp4").exists()
+
+
+def test_charbuild_cli_builds_and_explains_bad_input(tmp_path):
+    charbuild = [sys.executable, "-m", "charengine.builder.cli"]
+    r = subprocess.run(charbuild + ["--target", "cpu-tiny", "--random-weights", "--seed", "3",
+                                    "--out", str(tmp_path / "e")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "e/manifest.json").read_text())["weights"] == {"random_seed": 3}
+    r = subprocess.run(charbuild + ["--target", "nope", "--random-weights", "--out",
+                                    str(tmp_path / "f")], capture_output=True, text=True)
+    assert r.returncode != 0 and "known targets: b200-tp2, cpu-tiny" in r.stderr
+    r = subprocess.run(charbuild + ["--target", "cpu-tiny", "--weights",
+                                    str(ROOT / "assets/face.png"), "--out", str(tmp_path / "g")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "not a readable safetensors file" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "g").exists()
