@@ -49,16 +49,6 @@ def quant_dequant_per_tensor(x: torch.Tensor) -> torch.Tensor:
     return dequantize(quantize(x, scale), scale, x.dtype)
 
 
-def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
-           fp8_activations: bool, fast_accum: bool = False) -> torch.Tensor:
-    """An FP8-weight linear: per-token FP8 activations (fp8_activations) or the dequantized
-    weight in out_dtype."""
-    if fp8_activations:
-        aq, a_s = quantize_rows(x)
-        return scaled_mm(aq, a_s, w_q, w_scale, out_dtype, fast_accum)
-    return x.to(out_dtype) @ dequantize(w_q, w_scale[:, None], out_dtype).t()
-
-
 def index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
     """dst.index_copy_ that also works for FP8 tensors (copied as their bytes)."""
     src = src.to(dst.dtype)

@@ -9,6 +9,7 @@ h += gate_ada * o. Shift, scale and gate come from the pass's timestep alone.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -39,16 +40,17 @@ def timestep_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def bake_adaln(cfg: EngineConfig, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """All blocks' modulations for the fixed schedule in one batched GEMM:
-    table [passes, blocks, 3, d] and the final layer's [passes, 2, d]."""
-    spec = cfg.model
-    c = conditioning_vector(state, torch.tensor(cfg.schedule.sigmas), spec.time_freq_dim)
-    w = torch.stack([state[f"blocks.{i}.adaln.weight"].float() for i in range(spec.n_blocks)])
-    b = torch.stack([state[f"blocks.{i}.adaln.bias"].float() for i in range(spec.n_blocks)])
-    table = torch.einsum("bod,pd->pbo", w, F.silu(c)) + b[None]
-    final = F.silu(c) @ state["final_adaln.weight"].float().t() + state["final_adaln.bias"].float()
-    d = spec.dim
-    return table.reshape(len(cfg.schedule.sigmas), spec.n_blocks, 3, d), final.reshape(-1, 2, d)
+    """All blocks' modulations for the fixed schedule: table [passes, blocks, 3, d] and the
+    final layer's [passes, 2, d], in fp32 (one GEMM per block at build time)."""
+    spec, d = cfg.model, cfg.model.dim
+    dev = state["time_mlp.0.weight"].device
+    c = F.silu(conditioning_vector(state, torch.tensor(cfg.schedule.sigmas, device=dev),
+                                   spec.time_freq_dim))
+    blocks = [c @ state[f"blocks.{i}.adaln.weight"].float().t() + state[f"blocks.{i}.adaln.bias"].float()
+              for i in range(spec.n_blocks)]
+    table = torch.stack(blocks, dim=1).reshape(cfg.schedule.passes, spec.n_blocks, 3, d)
+    final = c @ state["final_adaln.weight"].float().t() + state["final_adaln.bias"].float()
+    return table, final.reshape(-1, 2, d)
 
 
 def conditioning_vector(w: dict[str, torch.Tensor], sigma: torch.Tensor, freq_dim: int):
@@ -111,21 +113,43 @@ class CharacterDiT(torch.nn.Module):
             if sw.fused_pre_attention else None
         self.gemm_allreduce = gemm_allreduce.select(torch.device(device)) \
             if sw.fused_gemm_allreduce else None
+        self.annotate = False  # label regions for torch.profiler (benchmarks set it)
+
+    def scope(self, name: str):
+        """A profiler label (paper Table 2's components) when annotating, else nothing."""
+        return torch.profiler.record_function(name) if self.annotate else contextlib.nullcontext()
 
     # ---- pieces -------------------------------------------------------------------------
     def dense(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return (x.to(self.dtype) @ self.w[f"{name}.weight"].t()) + self.w[f"{name}.bias"]
 
-    def fp8_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def fp8_linear(self, x: torch.Tensor, name: str, reduce: AllReduce | None = None):
+        """A block linear: per-token FP8 activations times the FP8 weight (or, without
+        numerics.fp8_gemm, the dequantized weight); `reduce` all-reduces the output, fused
+        into the GEMM where fused_gemm_allreduce is on."""
         nm = self.cfg.numerics
-        return fp8.linear(x, self.w[f"{name}.q"], self.w[f"{name}.scale"], self.dtype,
-                          nm.fp8_gemm, nm.fast_accum)
+        wq, ws = self.w[f"{name}.q"], self.w[f"{name}.scale"]
+        if not nm.fp8_gemm:
+            with self.scope("gemm"):
+                out = x.to(self.dtype) @ fp8.dequantize(wq, ws[:, None], self.dtype).t()
+        else:
+            with self.scope("act_quant"):
+                aq, a_s = fp8.quantize_rows(x)
+            if reduce is not None and self.gemm_allreduce is not None:
+                with self.scope("fp8_gemm"):
+                    return self.gemm_allreduce(aq, a_s, wq, ws, self.dtype, nm.fast_accum, reduce)
+            with self.scope("fp8_gemm"):
+                out = fp8.scaled_mm(aq, a_s, wq, ws, self.dtype, nm.fast_accum)
+        if reduce is not None:
+            with self.scope("all_reduce"):
+                out = reduce(out)
+        return out
 
     def modulation(self, b: int, p: int, cond: StepConditioning) -> torch.Tensor:
         if self.cfg.switches.baked_adaln:
             return self.adaln_table[p, b]
-        m = self.dense(F.silu(cond.c[p]), f"blocks.{b}.adaln")
-        return m.reshape(3, self.spec.dim)
+        with self.scope("adaln"):
+            return self.dense(F.silu(cond.c[p]), f"blocks.{b}.adaln").reshape(3, self.spec.dim)
 
     def final_modulation(self, p: int, cond: StepConditioning) -> torch.Tensor:
         if self.cfg.switches.baked_adaln:
@@ -155,21 +179,16 @@ class CharacterDiT(torch.nn.Module):
                 rms_norm_heads(k, self.w[f"blocks.{b}.k_norm"], eps))
 
     def attend(self, q, k, v, mask) -> torch.Tensor:
-        if self.cfg.numerics.fp8_attention:
-            q = fp8.quant_dequant_per_head(q) if self.cfg.switches.fp8_kv \
-                else fp8.quant_dequant_per_tensor(q)
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, :])[0]
-        return o.transpose(0, 1).reshape(q.shape[1], self.A)
+        with self.scope("attention"):
+            if self.cfg.numerics.fp8_attention:
+                q = fp8.quant_dequant_per_head(q) if self.cfg.switches.fp8_kv \
+                    else fp8.quant_dequant_per_tensor(q)
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None],
+                                               attn_mask=None if mask is None else mask[None, :])[0]
+            return o.transpose(0, 1).reshape(q.shape[1], self.A)
 
     def finish_block(self, b: int, h, attn, mlp, mod):
-        x = torch.cat([attn, mlp], dim=-1)
-        name = f"blocks.{b}.w_out"
-        if self.gemm_allreduce is not None:
-            nm = self.cfg.numerics
-            o = self.gemm_allreduce(x, self.w[f"{name}.q"], self.w[f"{name}.scale"], self.dtype,
-                                    nm.fp8_gemm, nm.fast_accum, self.all_reduce)
-        else:
-            o = self.all_reduce(self.fp8_linear(x, name))
+        o = self.fp8_linear(torch.cat([attn, mlp], dim=-1), f"blocks.{b}.w_out", self.all_reduce)
         return h + mod[2] * o
 
     # ---- forwards -----------------------------------------------------------------------
@@ -177,22 +196,28 @@ class CharacterDiT(torch.nn.Module):
         bp = b * self.cfg.schedule.passes + p
         mod = self.modulation(b, p, cond)
         q, k, v, mlp = self.qkv_mlp(b, h, mod)
+        with self.scope("pre_attention"):
+            q = self.pre_attention_write(b, bp, q, k, v, cond, cache)
+        with self.scope("cache_upkeep"):
+            kc, vc = cache.read(bp, cond.key_cos_sin)
+        return self.finish_block(b, h, self.attend(q, kc, vc, mask), mlp, mod)
+
+    def pre_attention_write(self, b: int, bp: int, q, k, v, cond: StepConditioning, cache: KVCache):
+        """QK norm, RoPE, K/V quantization and the cache write; returns the queries."""
         if self.pre_attention is not None:
-            q = self.pre_attention(
+            return self.pre_attention(
                 q, k, v, self.w[f"blocks.{b}.q_norm"], self.w[f"blocks.{b}.k_norm"],
                 self.spec.norm_eps, cond.cos, cond.sin,
                 cache.k8[bp] if cache.quantized else cache.k[bp],
                 cache.v8[bp] if cache.quantized else cache.v[bp],
                 cache.scale[bp, 0] if cache.quantized else None,
                 cache.scale[bp, 1] if cache.quantized else None, cache.frame_index())
-        else:
-            q, k = self.norm_qk(b, q, k)
-            q = rotate(q, cond.cos, cond.sin)
-            if self.cfg.switches.rope_at_write:
-                k = rotate(k, cond.cos, cond.sin)
-            cache.write(bp, k, v)
-        kc, vc = cache.read(bp, cond.key_cos_sin)
-        return self.finish_block(b, h, self.attend(q, kc, vc, mask), mlp, mod)
+        q, k = self.norm_qk(b, q, k)
+        q = rotate(q, cond.cos, cond.sin)
+        if self.cfg.switches.rope_at_write:
+            k = rotate(k, cond.cos, cond.sin)
+        cache.write(bp, k, v)
+        return q
 
     def forward_frame(self, x: torch.Tensor, p: int, cond: StepConditioning, cache: KVCache,
                       mask=None) -> torch.Tensor:

@@ -20,10 +20,11 @@ def ar_step(model: CharacterDiT, cache: KVCache, noise: torch.Tensor, audio: tor
     """Denoise one latent from `noise` [C, H, W] conditioned on `audio` features
     [audio_tokens, audio_dim]; returns the clean latent (fp32)."""
     cfg, spec = model.cfg, model.spec
-    if reset:
-        cache.delta_rotate(model.rope)
-    if not cfg.switches.ring_cache:
-        cache.advance_window()
+    with model.scope("cache_upkeep"):
+        if reset:
+            cache.delta_rotate(model.rope)
+        if not cfg.switches.ring_cache:
+            cache.advance_window()
     mask = cache.valid_mask() if masked else None
     x = patchify(noise.float(), spec.patch)
     cond = model.conditioning(audio, cache) if cfg.switches.conditioning_cache else None

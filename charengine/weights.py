@@ -60,17 +60,20 @@ def block_linear_names(spec: ModelSpec) -> list[str]:
     return [f"blocks.{i}.{w}" for i in range(spec.n_blocks) for w in ("w_in", "w_out")]
 
 
-def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype=torch.float32):
+def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype=torch.float32,
+                  device="cpu"):
     """One tensor of the random checkpoint; seeded per name, so a builder can make any one
-    tensor without the rest. Scaled so the AR rollout stays bounded."""
-    g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    tensor without the rest (the stream differs between CPU and CUDA generators). Scaled so
+    the AR rollout stays bounded."""
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    t = torch.randn(shape, generator=g, device=device)
     if name.endswith("norm"):
-        t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        t = 1.0 + 0.1 * t
     elif name.endswith("bias"):
-        t = 0.02 * torch.randn(shape, generator=g)
+        t = 0.02 * t
     else:
         gain = 0.5 if name.endswith(("w_out", "adaln.weight")) else 1.0
-        t = torch.randn(shape, generator=g) * (gain / shape[1] ** 0.5)
+        t = t * (gain / shape[1] ** 0.5)
     return t.to(dtype)
 
 
@@ -156,3 +159,28 @@ def shard(spec: ModelSpec, qstate: dict[str, torch.Tensor], r: RankShape) -> dic
         else:
             out[name] = t
     return out
+
+
+def random_rank_state(spec: ModelSpec, rank: RankShape, seed: int, device, dtype=torch.bfloat16,
+                      keep_adaln_weights: bool = True) -> tuple[dict, dict]:
+    """A rank's quantized state made directly on `device`, one tensor at a time (for
+    benchmarks at full size, where the fp32 checkpoint would not fit in host memory).
+    Returns (rank state, the full-precision AdaLN weights needed to bake the tables)."""
+    rows, cols = _in_rows(spec, rank).to(device), _out_cols(spec, rank).to(device)
+    state, adaln = {}, {}
+    for name, shape in param_shapes(spec).items():
+        t = random_tensor(name, shape, seed, torch.float32, device)
+        if name.endswith("w_in") or name.endswith("w_out"):
+            q, s = fp8.quantize_rows(t)
+            if name.endswith("w_in"):
+                q, s = q[rows], s[rows]
+            else:
+                q = q[:, cols]
+            state[f"{name}.q"], state[f"{name}.scale"] = q.contiguous(), s[:, 0].contiguous()
+        else:
+            if "adaln" in name or name.startswith("time_mlp"):
+                adaln[name] = t.to(dtype)
+            if keep_adaln_weights or "adaln" not in name:
+                state[name] = t.to(dtype)
+        del t
+    return state, adaln

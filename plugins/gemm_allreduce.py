@@ -12,9 +12,12 @@ import torch
 from charengine import fp8
 
 
-def reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
-              fp8_activations: bool, fast_accum: bool, all_reduce) -> torch.Tensor:
-    return all_reduce(fp8.linear(x, w_q, w_scale, out_dtype, fp8_activations, fast_accum))
+def reference(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
+              w_scale: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool,
+              all_reduce) -> torch.Tensor:
+    """FP8 activations a_q [M, K] with per-token scales [M, 1], FP8 weight slice w_q [N, K]
+    with per-channel scales [N]: the rank's partial product, summed over the TP group."""
+    return all_reduce(fp8.scaled_mm(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum))
 
 
 def select(device: torch.device):

@@ -1,0 +1,278 @@
+"""Session benchmark on one GPU: one TP rank's slice of a preset (the all-reduce left out),
+random weights made on the device, a live-length session with the window full and resets
+included, per-step CUDA-event timings, a torch.profiler breakdown laid out like paper Table 2,
+and the GEMM and attention floors measured alone in the same process.
+
+    python scripts/bench_session.py --preset characters-57b --tp 3 --arm production
+    python scripts/bench_session.py --preset tiny --device cpu --steps 100 --exclude 20
+
+Writes one JSON per run (docs/results/bench_<preset>_<layout>_<gpu>_<arm>_<run>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from charengine.cache import KVCache
+from charengine.config import EngineConfig, RankShape, Switches, preset
+from charengine.engine_format import this_machine
+from charengine.graphs import GraphedStep
+from charengine.model import CharacterDiT, bake_adaln
+from charengine.step import Session, ar_step
+from charengine.weights import random_rank_state
+
+DENSE_FP8_PEAK_TFLOPS = 1979.0  # H100/H200 SXM datasheet, dense
+COMPONENTS = ("fp8_gemm", "gemm", "act_quant", "cache_upkeep", "pre_attention", "attention",
+              "adaln")
+
+
+def arm_switches(arm: str) -> Switches:
+    if arm == "production":
+        return Switches()
+    return Switches.cumulative(arm)
+
+
+def step_flops(cfg: EngineConfig, shape: RankShape) -> tuple[float, float]:
+    """(GEMM, attention) FLOP of one AR step on this rank."""
+    spec, T = cfg.model, cfg.model.tokens_per_frame
+    calls = spec.n_blocks * cfg.schedule.passes
+    gemm = 2 * T * spec.dim * (shape.in_proj_rows(spec) + shape.out_proj_cols(spec)) * calls
+    slots = spec.global_tokens + cfg.cache.window * T
+    attn = 4 * T * slots * shape.attn_width(spec) * calls
+    return gemm, attn
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def timed(device, fn):
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        return a, b
+    t0 = time.perf_counter()
+    fn()
+    return t0, time.perf_counter()
+
+
+def elapsed_ms(device, pair) -> float:
+    a, b = pair
+    return a.elapsed_time(b) if device.type == "cuda" else 1e3 * (b - a)
+
+
+def floors(model: CharacterDiT, cache: KVCache, device, reps: int = 5) -> dict:
+    """The step's FP8 GEMMs alone (its own weights, pre-quantized activations, the same
+    kernels) and its attention alone (same backend, caches of the step's shape, rotated past
+    L2), each captured as one CUDA graph of a step's calls."""
+    from charengine import fp8
+
+    spec, cfg = model.spec, model.cfg
+    T = spec.tokens_per_frame
+    g = torch.Generator(device=device).manual_seed(0)
+    a_in = fp8.quantize_rows(torch.randn(T, spec.dim, device=device, generator=g))
+    a_out = fp8.quantize_rows(torch.randn(T, model.A + model.rank.mlp, device=device, generator=g))
+    q = torch.randn(model.rank.heads, T, spec.head_dim, device=device, generator=g).to(model.dtype)
+    kv = [(cache.k[i], cache.v[i]) for i in range(min(8, cache.bp))]
+    fast = cfg.numerics.fast_accum
+
+    def gemms():
+        for _ in range(cfg.schedule.passes):
+            for b in range(spec.n_blocks):
+                for (aq, a_s), w in ((a_in, "w_in"), (a_out, "w_out")):
+                    fp8.scaled_mm(aq, a_s, model.w[f"blocks.{b}.{w}.q"],
+                                  model.w[f"blocks.{b}.{w}.scale"], model.dtype, fast)
+
+    def attention():
+        for i in range(cfg.schedule.passes * spec.n_blocks):
+            k, v = kv[i % len(kv)]
+            torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])
+
+    out = {}
+    for name, fn in (("fp8_gemm", gemms), ("attention", attention)):
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            graph.replay()
+            pairs = [timed(device, graph.replay) for _ in range(reps)]
+            torch.cuda.synchronize()
+            times = [elapsed_ms(device, p) for p in pairs]
+        else:
+            times = [elapsed_ms(device, timed(device, fn)) for _ in range(reps)]
+        out[f"{name}_ms"] = statistics.median(times)
+    return out
+
+
+def profile_components(session: Session, steps: int, inputs, device) -> dict:
+    """Eager steps under torch.profiler with the model's regions labelled; device time per
+    step for each component, the rest as "other"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = session.model
+    model.annotate = True
+    saved = session.step_fn
+    session.step_fn = ar_step
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            session.step(*inputs())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    session.step_fn = saved
+    model.annotate = False
+    per = {c: 0.0 for c in COMPONENTS}
+    busy = 0.0
+    for ev in prof.events():
+        if ev.name in per:
+            per[ev.name] += (ev.device_time_total if device.type == "cuda" else ev.cpu_time_total)
+        if device.type == "cuda" and ev.device_type == torch.autograd.DeviceType.CUDA:
+            busy += ev.device_time_total
+    comps = {k: v / 1e3 / steps for k, v in per.items() if v}
+    total = busy / 1e3 / steps if device.type == "cuda" else None
+    if total is not None:
+        comps["other"] = total - sum(comps.values())
+        comps["gpu_busy"] = total
+    return comps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="characters-57b")
+    ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--arm", default="production",
+                    choices=["production", "baseline", *Switches.ORDER])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--exclude", type=int, default=60, help="first steps left out of steady state")
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--no-graphs", action="store_true", help="eager steps (no CUDA graphs)")
+    ap.add_argument("--fast-accum", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--gpu-tag", default="h200")
+    ap.add_argument("--run", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    cfg = preset(args.preset, tp=args.tp, switches=arm_switches(args.arm))
+    if args.fast_accum:
+        cfg = cfg.replace(numerics=dataclasses.replace(cfg.numerics, fast_accum=True))
+    spec = cfg.model
+    shape = RankShape.of(spec, args.tp, args.rank)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        state, adaln_w = random_rank_state(spec, shape, args.seed, device, getattr(torch, cfg.numerics.dtype),
+                                           keep_adaln_weights=not cfg.switches.baked_adaln)
+        tables = bake_adaln(cfg, adaln_w)
+        del adaln_w
+        model = CharacterDiT(cfg, shape, state, adaln_tables=tables, device=device)
+        del state
+        cache = KVCache(cfg, shape.heads, device)
+    graphed = device.type == "cuda" and not args.no_graphs
+    session = Session(model, cache, GraphedStep() if graphed else ar_step)
+    build_s = time.perf_counter() - t0
+
+    g = torch.Generator(device=device).manual_seed(args.seed + 1)
+    lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
+
+    def inputs():
+        return (torch.randn(lat, device=device, generator=g),
+                torch.randn(spec.audio_tokens, spec.audio_dim, device=device, generator=g))
+
+    backends = None
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backends = sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
+        backends.__enter__()
+
+    with torch.inference_mode():
+        ref = torch.randn(lat, device=device, generator=g)
+        prompt = torch.randn(spec.prompt_tokens, spec.text_dim, device=device, generator=g)
+        t1 = time.perf_counter()
+        session.start(ref, prompt)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start_s = time.perf_counter() - t1
+        marks, host = [], []
+        sync_checked = False
+        for k in range(args.steps):
+            steady = graphed and k > cfg.cache.calibration_steps + 1
+            if steady and not sync_checked:
+                torch.cuda.set_sync_debug_mode("error")
+                sync_checked = True
+            x = inputs()
+            h0 = time.perf_counter()
+            marks.append(timed(device, lambda: session.step(*x)))
+            host.append(time.perf_counter() - h0)
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+        diffusion = [elapsed_ms(device, p) for p in marks]
+        if device.type == "cuda":
+            period = [marks[k - 1][1].elapsed_time(marks[k][1]) for k in range(1, len(marks))]
+        else:
+            period = [1e3 * (marks[k][1] - marks[k - 1][1]) for k in range(1, len(marks))]
+        period = [diffusion[0]] + period
+        comps = profile_components(session, args.profile_steps, inputs, device) \
+            if args.profile_steps else {}
+        fl = floors(model, cache, device)
+    if backends is not None:
+        backends.__exit__(None, None, None)
+
+    P = cfg.cache.reset_period
+    steady = range(args.exclude, args.steps)
+    resets = [diffusion[k] for k in range(cfg.cache.calibration_steps + 2, args.steps) if k % P == 0]
+    d_st, p_st = [diffusion[k] for k in steady], [period[k] for k in steady]
+    gemm_f, attn_f = step_flops(cfg, shape)
+    d50 = pct(d_st, 50)
+    frames = cfg.model.frames_per_latent
+    result = {
+        "preset": args.preset, "layout": f"tp{args.tp}-rank{args.rank}" if args.tp > 1 else "tp1",
+        "gpu": args.gpu_tag, "arm": args.arm, "run": args.run,
+        "switches": cfg.switches.__dict__, "numerics": cfg.numerics.__dict__,
+        "graphs": graphed, "steps": args.steps, "exclude": args.exclude,
+        "diffusion_p50_ms": d50, "diffusion_p90_ms": pct(d_st, 90),
+        "period_p50_ms": pct(p_st, 50), "period_p90_ms": pct(p_st, 90),
+        "reset_step_ms": statistics.median(resets) if resets else None,
+        "capacity_fps": 1000 * frames / pct(p_st, 50),
+        "sustained_fps": 1000 * frames * len(p_st) / sum(p_st),
+        "host_step_p50_ms": 1e3 * pct([host[k] for k in steady], 50),
+        "tflops_per_gpu": (gemm_f + attn_f) / (d50 / 1e3) / 1e12,
+        "pct_dense_fp8_peak": 100 * (gemm_f + attn_f) / (d50 / 1e3) / 1e12 / DENSE_FP8_PEAK_TFLOPS,
+        "step_tflop": {"gemm": gemm_f / 1e12, "attention": attn_f / 1e12},
+        "components_ms": comps, "floors_ms": fl,
+        "step_over_floor": d50 / (fl["fp8_gemm_ms"] + fl["attention_ms"]),
+        "build_s": build_s, "session_start_s": start_s,
+        "sync_debug_mode_checked": sync_checked,
+        "machine": this_machine(), "date": time.strftime("%Y-%m-%d"),
+        "diffusion_ms": diffusion, "period_ms": period,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"bench_{args.preset}_{result['layout']}_{args.gpu_tag}_{args.arm}_{args.run}.json"
+    (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
+    keys = ("diffusion_p50_ms", "diffusion_p90_ms", "period_p50_ms", "period_p90_ms",
+            "reset_step_ms", "capacity_fps", "sustained_fps", "tflops_per_gpu",
+            "pct_dense_fp8_peak", "step_over_floor")
+    print(f"{args.arm} run {args.run}: " + ", ".join(
+        f"{k}={result[k]:.2f}" for k in keys if result[k] is not None))
+    print("components (ms/step): " + ", ".join(f"{k}={v:.2f}" for k, v in comps.items()))
+    print("floors (ms/step): " + ", ".join(f"{k}={v:.2f}" for k, v in fl.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""GPU paths against their plain references (skipped without CUDA; run on the device)."""
+
+import pytest
+import torch
+
+from charengine import fp8
+from charengine.config import preset
+from charengine.graphs import GraphedStep
+from charengine.rank import make_session, rank_state
+from charengine.weights import random_weights
+from rollout import rel_err, session_inputs
+
+pytestmark = pytest.mark.gpu
+STEPS = 60  # filling, calibration, steady, one reset (42)
+
+
+def run(cfg, device, step_fn=None, sync_check=False):
+    kw = {} if step_fn is None else {"step_fn": step_fn}
+    s = make_session(cfg, rank_state(cfg, random_weights(cfg.model, 0)), device=device, **kw)
+    ref, prompt, noise, audio = session_inputs(cfg.model, STEPS)
+    outs = []
+    with torch.inference_mode():
+        s.start(ref.to(device), prompt.to(device))
+        for k in range(STEPS):
+            if sync_check and k == cfg.cache.calibration_steps + 2:
+                torch.cuda.set_sync_debug_mode("error")
+            outs.append(s.step(noise[k].to(device), audio[k].to(device)))
+        torch.cuda.set_sync_debug_mode("default")
+    return torch.stack(outs).cpu()
+
+
+def test_graphed_steps_equal_eager_steps_and_never_sync():
+    cfg = preset("tiny")
+    eager = run(cfg, "cuda")
+    graphed = run(cfg, "cuda", GraphedStep(), sync_check=True)
+    assert rel_err(eager, graphed).max() < 1e-3
+
+
+def test_gpu_step_matches_cpu_step():
+    cfg = preset("tiny")
+    assert rel_err(run(cfg, "cpu"), run(cfg, "cuda")).max() < 3e-2
+
+
+@pytest.mark.parametrize("m,k,n", [(757, 7680, 28160), (757, 12800, 7680), (33, 64, 48)])
+def test_scaled_mm_matches_cpu_emulation(m, k, n):
+    g = torch.Generator().manual_seed(0)
+    aq, a_s = fp8.quantize_rows(torch.randn(m, k, generator=g))
+    wq, ws = fp8.quantize_rows(torch.randn(n, k, generator=g))
+    ref = fp8.scaled_mm(aq, a_s, wq, ws[:, 0], torch.float32)
+    out = fp8.scaled_mm(aq.cuda(), a_s.cuda(), wq.cuda(), ws[:, 0].cuda(), torch.bfloat16).float().cpu()
+    assert ((out - ref).norm() / ref.norm()) < 1e-2
