@@ -133,18 +133,25 @@ def profile_components(session: Session, steps: int, inputs, device) -> dict:
             torch.cuda.synchronize()
     session.step_fn = saved
     model.annotate = False
-    per = {c: 0.0 for c in COMPONENTS}
-    busy = 0.0
+    # Each kernel's time goes to the innermost labelled region around the op that launched it
+    # (user-annotation ranges on the GPU timeline would also count the gaps between kernels).
+    per = {c: 0.0 for c in COMPONENTS + ("other",)}
     for ev in prof.events():
-        if ev.name in per:
-            per[ev.name] += (ev.device_time_total if device.type == "cuda" else ev.cpu_time_total)
-        if device.type == "cuda" and ev.device_type == torch.autograd.DeviceType.CUDA:
-            busy += ev.device_time_total
+        if device.type == "cuda":
+            t = sum(k.duration for k in ev.kernels)
+        else:
+            t = ev.self_cpu_time_total if ev.name not in COMPONENTS else 0.0
+        if not t:
+            continue
+        label, p = "other", ev
+        while p is not None:
+            if p.name in COMPONENTS:
+                label = p.name
+                break
+            p = p.cpu_parent
+        per[label] += t
     comps = {k: v / 1e3 / steps for k, v in per.items() if v}
-    total = busy / 1e3 / steps if device.type == "cuda" else None
-    if total is not None:
-        comps["other"] = total - sum(comps.values())
-        comps["gpu_busy"] = total
+    comps["total"] = sum(v for v in comps.values())
     return comps
 
 

@@ -17,14 +17,14 @@ STEPS = 60  # filling, calibration, steady, one reset (42)
 def run(cfg, device, step_fn=None, sync_check=False):
     kw = {} if step_fn is None else {"step_fn": step_fn}
     s = make_session(cfg, rank_state(cfg, random_weights(cfg.model, 0)), device=device, **kw)
-    ref, prompt, noise, audio = session_inputs(cfg.model, STEPS)
+    ref, prompt, noise, audio = (t.to(device) for t in session_inputs(cfg.model, STEPS))
     outs = []
     with torch.inference_mode():
-        s.start(ref.to(device), prompt.to(device))
+        s.start(ref, prompt)
         for k in range(STEPS):
             if sync_check and k == cfg.cache.calibration_steps + 2:
                 torch.cuda.set_sync_debug_mode("error")
-            outs.append(s.step(noise[k].to(device), audio[k].to(device)))
+            outs.append(s.step(noise[k], audio[k]))
         torch.cuda.set_sync_debug_mode("default")
     return torch.stack(outs).cpu()
 
