@@ -99,27 +99,30 @@ class KVCache(torch.nn.Module):
 
     def calibrate(self) -> None:
         """FP8 KV: scales from the amax of the unquantized cache (per cache, K/V and head)
-        times the margin; the whole cache moves to FP8; values beyond saturate."""
+        times the margin; the whole cache moves to FP8; values beyond saturate. One cache at
+        a time, so the fp32 temporaries stay one cache's size."""
         cc = self.cfg.cache
-        for i, src in enumerate((self.k, self.v)):
-            amax = src.float().abs().amax(dim=(2, 3)).clamp_min(1e-12)  # [bp, heads]
-            self.scale[:, i] = (amax * cc.scale_margin / cc.fp8_max)[..., None, None]
-        self.k8.copy_(fp8.quantize(self.k, self.scale[:, 0]))
-        self.v8.copy_(fp8.quantize(self.v, self.scale[:, 1]))
+        for bp in range(self.bp):
+            for i, (src, dst) in enumerate(((self.k, self.k8), (self.v, self.v8))):
+                amax = src[bp].float().abs().amax(dim=(1, 2)).clamp_min(1e-12)  # [heads]
+                self.scale[bp, i] = (amax * cc.scale_margin / cc.fp8_max)[:, None, None]
+                dst[bp] = fp8.quantize(src[bp], self.scale[bp, i])
         self.quantized = True
 
     def delta_rotate(self, rope: RopeTables) -> None:
         """At a reset, before any block reads: rotate every cached window key's temporal pairs
         by omega_j * delta, in fp32. FP8: dequantize with the head's scale, rotate, clamp,
-        requantize with the same scale. Values and global keys are untouched."""
+        requantize with the same scale. Values and global keys are untouched. One cache at a
+        time (a fused kernel does all of them in one pass)."""
         G, delta = self.G, float(self.cfg.cache.delta)
-        if self.quantized:
-            s = self.scale[:, 0]
-            win = fp8.dequantize(self.k8[:, :, G:], s)
-            self.k8[:, :, G:] = fp8.quantize(rotate_temporal_f32(win, rope.omega_t, delta), s)
-        else:
-            win = self.k[:, :, G:].float()
-            self.k[:, :, G:] = rotate_temporal_f32(win, rope.omega_t, delta).to(self.k.dtype)
+        for bp in range(self.bp):
+            if self.quantized:
+                s = self.scale[bp, 0]
+                win = fp8.dequantize(self.k8[bp, :, G:], s)
+                self.k8[bp, :, G:] = fp8.quantize(rotate_temporal_f32(win, rope.omega_t, delta), s)
+            else:
+                win = self.k[bp, :, G:].float()
+                self.k[bp, :, G:] = rotate_temporal_f32(win, rope.omega_t, delta).to(self.k.dtype)
 
     # ---- writes and reads ------------------------------------------------------------------
     def write_global(self, bp: int, k: torch.Tensor, v: torch.Tensor) -> None:
