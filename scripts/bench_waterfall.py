@@ -92,10 +92,11 @@ def summarize(out: Path) -> dict:
         table.setdefault(f"{pre}_{layout}_{gpu}", {})[arm] = med
     for key, summary in table.items():
         (out / f"summary_{key}.json").write_text(json.dumps(summary, indent=1) + "\n")
-        try:
-            plot(summary, out / f"waterfall_{key}.png", key)
-        except ImportError:
-            print("matplotlib missing: no plot")
+        if sum(a in summary for a in ARMS) >= 2:
+            try:
+                plot(summary, out / f"waterfall_{key}.png", key)
+            except ImportError:
+                print("matplotlib missing: no plot")
         for arm in ARMS + ["production"]:
             if arm in summary:
                 s = summary[arm]
