@@ -29,6 +29,7 @@ class SideSpec:
     audio_layers: int = 4
     audio_heads: int = 8
     decoder_channels: tuple[int, ...] = (384, 384, 192, 96, 96)
+    decoder_convs: int = 1  # causal 3x3x3 convs per upsampling stage
     text_width: int = 512
     text_layers: int = 2
     text_heads: int = 8

@@ -47,7 +47,11 @@ class Decoder(torch.nn.Module):
         ch = spec.side.decoder_channels
         self.spec = spec
         self.conv_in = CausalConv3d(spec.latent_channels, ch[0])
-        self.convs = torch.nn.ModuleList(CausalConv3d(ch[i], ch[i + 1]) for i in range(len(ch) - 1))
+        n = spec.side.decoder_convs
+        self.convs = torch.nn.ModuleList(
+            torch.nn.ModuleList(CausalConv3d(ch[i] if j == 0 else ch[i + 1], ch[i + 1])
+                                for j in range(n))
+            for i in range(len(ch) - 1))
         self.conv_out = CausalConv3d(ch[-1], 3)
         self.ups = _stages(spec)
 
@@ -59,10 +63,11 @@ class Decoder(torch.nn.Module):
     def forward(self, latent: torch.Tensor) -> torch.Tensor:
         """latent [C, h, w] -> frames [frames_per_latent, 3, H, W] in [0, 1]."""
         x = self.conv_in(latent[None, :, None].to(self.conv_in.conv.weight.dtype))
-        for conv, (t2, s2) in zip(self.convs, self.ups):
+        for convs, (t2, s2) in zip(self.convs, self.ups):
             x = F.interpolate(x, scale_factor=(2 if t2 else 1, 2 if s2 else 1, 2 if s2 else 1),
                               mode="nearest")
-            x = F.silu(conv(x))
+            for conv in convs:
+                x = F.silu(conv(x))
         x = self.conv_out(x)
         return (torch.tanh(x[0].transpose(0, 1).float()) + 1) / 2
 
