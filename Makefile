@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-engines/cpu-tiny/manifest.json: $(VENV)/.installed
+engines/cpu-tiny/manifest.json: $(VENV)/.installed engines/targets/cpu-tiny.toml $(wildcard charengine/*.py builder/*.py)
 	$(BIN)/charbuild --target cpu-tiny --random-weights --seed 0 --out engines/cpu-tiny
 
 demo: engines/cpu-tiny/manifest.json

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import click
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -17,7 +16,8 @@ from rich.table import Table
 from charengine import audio as audio_mod
 
 from .engine import Engine, EngineError
-from .media import MediaError, Mp4Writer, read_audio, read_image
+from .media import MediaError, read_audio, read_image
+from .render import Rendered, render
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -71,42 +71,35 @@ def main(engine_dir, image, audio_path, out, prompt, seed):
         raise click.ClickException(str(e)) from None
 
     steps = audio_mod.steps_for(spec, speech.numel())
-    writer = Mp4Writer(out, spec.out_w, spec.out_h, spec.fps, spec.side.sample_rate)
-    done = 0
     t0 = time.perf_counter()
     progress = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[fps]:.1f} fps (real time {task.fields[rt]})"),
                         TimeElapsedColumn(), console=err)
 
-    def sink(i, frames):
-        nonlocal done
-        a, b = audio_mod.step_bounds(spec, i)
-        chunk = speech[a:b]
-        writer.write(frames, torch.nn.functional.pad(chunk, (0, (b - a) - chunk.numel())))
-        done = i + 1
+    def on_step(done):
         if done == 1:
             click.echo("charrun: first frames written", err=True)
-        el = time.perf_counter() - t0
-        progress.update(task, completed=done, fps=done * spec.frames_per_latent / el)
+        fps = done * spec.frames_per_latent / (time.perf_counter() - t0)
+        progress.update(task, completed=done, fps=fps)
 
-    interrupted = False
-    times = None
+    result = Rendered()
     try:
         with progress:
             task = progress.add_task("steps", total=steps, fps=0.0, rt=spec.fps)
-            worker.start(picture, prompt)
-            times = worker.run(speech, steps, sink, seed=seed)
+            render(worker, picture, prompt, speech, out, seed, on_step, result)
     except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        writer.close()
-    wall = time.perf_counter() - t0
-    frames = done * spec.frames_per_latent
-    if interrupted:
-        click.echo(f"charrun: interrupted after {done} steps; {out} holds {frames} frames", err=True)
+        frames = result.steps * spec.frames_per_latent
+        click.echo(f"charrun: interrupted after {result.steps} steps; {out} holds {frames} "
+                   "frames", err=True)
         sys.exit(130)
-    err.print(summary_table(times, done, wall, spec.fps, spec.frames_per_latent))
-    click.echo(f"wrote {out}: {frames} frames at {spec.fps} fps with audio")
+    except Exception as e:  # noqa: BLE001 - one line, and the MP4 so far is kept
+        frames = result.steps * spec.frames_per_latent
+        raise click.ClickException(f"session failed after {result.steps} steps "
+                                   f"({type(e).__name__}: {e}); {out} holds {frames} frames") from None
+    wall = time.perf_counter() - t0
+    err.print(summary_table(result.times, result.steps, wall, spec.fps, spec.frames_per_latent))
+    click.echo(f"wrote {out}: {result.steps * spec.frames_per_latent} frames at {spec.fps} fps "
+               "with audio")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def main():
             if args.channels_last:
                 dec = dec.to(memory_format=torch.channels_last_3d)
             latent = torch.randn(spec.latent_channels, spec.latent_h, spec.latent_w, device=device)
-            ms = time_ms(lambda: dec(latent), device, args.reps)
+            ms = time_ms(lambda d=dec: d(latent), device, args.reps)
             results.append({"decoder_channels": spec.side.decoder_channels,
                             "decoder_convs": spec.side.decoder_convs, "decoder_ms": ms,
                             "decoder_tflop": conv_tflop(spec),

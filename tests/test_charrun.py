@@ -118,3 +118,23 @@ def test_pipeline_overlaps_decoding_with_the_next_diffusion_and_applies_backpres
     for i in range(steps):
         ahead = sum(1 for _, end in t.diffusion if end < t.sink[i][0])
         assert ahead <= i + 5
+
+
+def test_a_failure_mid_session_leaves_a_playable_mp4(engine_dir, tmp_path):
+    from charengine.runtime.render import Rendered, render
+
+    worker = Worker(Engine.load(engine_dir))
+    spec = worker.spec
+    speech = torch.randn(16000 * 4) * 0.1
+
+    def fail_at_five(done):
+        if done == 5:
+            raise OSError("No space left on device")
+
+    result = Rendered()
+    with pytest.raises(OSError, match="No space left"):
+        render(worker, torch.rand(3, spec.out_h, spec.out_w), "", speech, tmp_path / "o.mp4",
+               on_step=fail_at_five, result=result)
+    assert result.steps == 5
+    frames, rate, audio_s, _ = probe(tmp_path / "o.mp4")
+    assert frames == 20 and rate == 24 and abs(audio_s - frames / 24) <= 1 / 24

@@ -1,7 +1,6 @@
 """Tensor parallelism as real processes over gloo: TP-N equals TP-1, including uneven splits
 (tiny-10h: 10 heads over 3 and 7 ranks)."""
 
-import os
 import socket
 
 import pytest
