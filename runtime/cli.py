@@ -49,19 +49,34 @@ def summary_table(times, steps_done: int, wall_s: float, fps: int, frames_per_la
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--engine", "engine_dir", type=click.Path(path_type=Path), required=True,
               help="Engine directory written by charbuild.")
-@click.option("--image", type=click.Path(path_type=Path), required=True,
+@click.option("--image", type=click.Path(path_type=Path),
               help="Reference image of the character (PNG, JPEG, ...).")
-@click.option("--audio", "audio_path", type=click.Path(path_type=Path), required=True,
+@click.option("--audio", "audio_path", type=click.Path(path_type=Path),
               help="Speech (any format and rate PyAV reads; converted to 16 kHz mono).")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="MP4 to write.")
+@click.option("--out", type=click.Path(path_type=Path), help="MP4 to write.")
 @click.option("--prompt", default="", help="Text prompt.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
-def main(engine_dir, image, audio_path, out, prompt, seed):
-    """Render a talking character: the image animated to the speech, H.264 + AAC."""
+@click.option("--serve", is_flag=True, help="Serve a local page that streams over WebRTC.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve on.")
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--ice-server", "ice_servers", multiple=True,
+              help="STUN/TURN URL for WebRTC (none by default: loopback and LAN only).")
+@click.option("--slack", type=int, default=2, show_default=True,
+              help="Finished steps that may queue ahead of playback.")
+def main(engine_dir, image, audio_path, out, prompt, seed, serve, host, port, ice_servers, slack):
+    """Render a talking character (the image animated to the speech, H.264 + AAC MP4), or
+    with --serve stream one over WebRTC to a local page."""
     err = Console(stderr=True)
+    if not serve and not (image and audio_path and out):
+        raise click.UsageError("give --image, --audio and --out, or --serve")
     try:
         engine = Engine.load(engine_dir)
         spec = engine.config.model
+        if serve:
+            from .server import serve as run_server
+            from .worker import Worker
+
+            return run_server(Worker(engine), host, port, list(ice_servers), slack)
         speech = read_audio(audio_path, spec.side.sample_rate)
         picture = read_image(image, spec.out_h, spec.out_w)
         from .worker import Worker

@@ -3,6 +3,7 @@ model's frame size, and an H.264 + AAC MP4 writer whose audio rides with its fra
 
 from __future__ import annotations
 
+import io
 from fractions import Fraction
 from pathlib import Path
 
@@ -16,14 +17,22 @@ class MediaError(ValueError):
     pass
 
 
-def read_audio(path: str | Path, rate: int) -> torch.Tensor:
-    """Any audio file PyAV decodes -> mono float32 samples at `rate` (stereo is averaged by
-    the resampler, other rates converted)."""
-    path = Path(path)
+def _source(src: str | Path | bytes):
+    """(what av.open takes, a name for messages) for a path or a file's bytes."""
+    if isinstance(src, (bytes, bytearray)):
+        return io.BytesIO(src), "upload"
+    path = Path(src)
     if not path.is_file():
         raise MediaError(f"{path}: no such file")
+    return str(path), str(path)
+
+
+def read_audio(src: str | Path | bytes, rate: int) -> torch.Tensor:
+    """Any audio file PyAV decodes (a path or its bytes) -> mono float32 samples at `rate`
+    (stereo is averaged by the resampler, other rates converted)."""
+    f, path = _source(src)
     try:
-        with av.open(str(path)) as c:
+        with av.open(f) as c:
             if not c.streams.audio:
                 raise MediaError(f"{path}: not an audio file (no audio stream)")
             rs = av.AudioResampler(format="flt", layout="mono", rate=rate)
@@ -38,13 +47,12 @@ def read_audio(path: str | Path, rate: int) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(chunks).astype(np.float32))
 
 
-def read_image(path: str | Path, height: int, width: int) -> torch.Tensor:
-    """An image file -> [3, height, width] in [0, 1]: scaled to cover, then center-cropped."""
-    path = Path(path)
-    if not path.is_file():
-        raise MediaError(f"{path}: no such file")
+def read_image(src: str | Path | bytes, height: int, width: int) -> torch.Tensor:
+    """An image file (a path or its bytes) -> [3, height, width] in [0, 1]: scaled to cover,
+    then center-cropped."""
+    f, path = _source(src)
     try:
-        with av.open(str(path)) as c:
+        with av.open(f) as c:
             if not c.streams.video:
                 raise MediaError(f"{path}: not an image (no picture in it)")
             frame = next(c.decode(c.streams.video[0]))

@@ -36,6 +36,8 @@ class Pipeline:
     def __init__(self, encode_audio: Callable[[int], torch.Tensor],
                  diffuse: Callable[[int, torch.Tensor], torch.Tensor],
                  decode: Callable[[torch.Tensor], torch.Tensor], poll_s: float = 0.05):
+        """encode_audio(i) returns the step's audio features, or (features, meta): meta
+        rides along with the step to the sink (sink(i, frames, meta) then)."""
         self.encode_audio, self.diffuse, self.decode = encode_audio, diffuse, decode
         self.poll_s = poll_s
         self.times = StepTimes()
@@ -80,30 +82,52 @@ class Pipeline:
                 self.stop.set()
         return run
 
-    def _rank0(self, steps: int) -> None:
-        for i in range(steps + 1):
-            if i < steps:
-                self._put(self.audio_q, self._timed(self.times.audio, self.encode_audio, i))
+    def flush_audio(self) -> int:
+        """Barge-in: drop encoded audio of steps not yet started; returns how many."""
+        dropped = 0
+        while True:
+            try:
+                self.audio_q.get_nowait()
+                dropped += 1
+            except queue.Empty:
+                return dropped
+
+    def _rank0(self, steps: int | None) -> None:
+        i = 0
+        while steps is None or i <= steps:
+            if steps is None or i < steps:
+                out = self._timed(self.times.audio, self.encode_audio, i)
+                self._put(self.audio_q, (i, out) if isinstance(out, tuple) else (i, (out, None)))
             if i >= 1:
-                latent = self._get(self.latent_q)
-                self._put(self.frame_q, self._timed(self.times.decode, self.decode, latent))
+                j, latent, meta = self._get(self.latent_q)
+                frames = self._timed(self.times.decode, self.decode, latent)
+                self._put(self.frame_q, (j, frames, meta))
+            i += 1
 
-    def _diffusion(self, steps: int) -> None:
-        for i in range(steps):
-            audio = self._get(self.audio_q)
-            self._put(self.latent_q, self._timed(self.times.diffusion, self.diffuse, i, audio))
+    def _diffusion(self, steps: int | None) -> None:
+        i = 0
+        while steps is None or i < steps:
+            j, (feats, meta) = self._get(self.audio_q)
+            latent = self._timed(self.times.diffusion, self.diffuse, j, feats)
+            self._put(self.latent_q, (j, latent, meta))
+            i += 1
 
-    def run(self, steps: int, sink: Callable[[int, torch.Tensor], None]) -> StepTimes:
-        """Run `steps` AR steps; `sink(i, frames)` is called in this thread, in order."""
+    def run(self, steps: int | None, sink: Callable) -> StepTimes:
+        """Run `steps` AR steps (None: until stop is set); `sink(i, frames)` (or
+        sink(i, frames, meta) when encode_audio gives meta) is called in this thread, in
+        order."""
         threads = [threading.Thread(target=self._guard(lambda: self._rank0(steps)), name="rank0"),
                    threading.Thread(target=self._guard(lambda: self._diffusion(steps)),
                                     name="diffusion")]
         for t in threads:
             t.start()
         try:
-            for i in range(steps):
-                frames = self._get(self.frame_q)
-                self._timed(self.times.sink, sink, i, frames)
+            i = 0
+            while steps is None or i < steps:
+                j, frames, meta = self._get(self.frame_q)
+                args = (j, frames) if meta is None else (j, frames, meta)
+                self._timed(self.times.sink, sink, *args)
+                i += 1
         except Stopped:
             pass
         finally:

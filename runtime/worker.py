@@ -41,16 +41,12 @@ class Worker:
         self.session.start(ref.to(self.device), text.to(self.device))
         self.side.decoder.reset()
 
-    def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
-        """Generate `steps` latents for `speech` (16 kHz mono) and hand each step's frames to
-        `sink(i, frames)`."""
+    def pipeline(self, encode_audio, seed: int = 0) -> Pipeline:
+        """The three-stage pipeline over this worker's session, with rank 0's audio encoding
+        given by `encode_audio(i)`."""
         spec = self.spec
         g = torch.Generator(device=self.device).manual_seed(seed)
         shape = (spec.latent_channels, spec.latent_h, spec.latent_w)
-
-        def encode_audio(i):
-            w = audio_mod.step_window(spec, speech, i).to(self.decoder_device)
-            return self.side.audio_encoder(w)
 
         def diffuse(i, feats):
             noise = torch.randn(shape, generator=g, device=self.device)
@@ -59,4 +55,13 @@ class Worker:
         def decode(latent):
             return self.side.decoder(latent.to(self.decoder_device)).cpu()
 
-        return Pipeline(encode_audio, diffuse, decode).run(steps, sink)
+        return Pipeline(encode_audio, diffuse, decode)
+
+    def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
+        """Generate `steps` latents for `speech` (16 kHz mono) and hand each step's frames to
+        `sink(i, frames)`."""
+        def encode_audio(i):
+            w = audio_mod.step_window(self.spec, speech, i).to(self.decoder_device)
+            return self.side.audio_encoder(w)
+
+        return self.pipeline(encode_audio, seed).run(steps, sink)

@@ -1,0 +1,138 @@
+"""A live session: speech arrives while the character streams. Between turns the character
+listens (silent audio); a barge-in drops the turn's queued speech, the steps not yet started
+and the frames not yet played, and returns it to listening.
+
+Speech is 16 kHz mono. Step i takes the next step's worth of samples from the speech buffer
+(silence when it is empty) when rank 0 encodes its audio; the pacer's backpressure keeps the
+generator at most a few steps ahead of playback.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from charengine import audio as audio_mod
+
+from .metrics import Metrics
+from .pacer import Pacer, Step
+from .pipeline import Pipeline
+from .worker import Worker
+
+
+class SpeechBuffer:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.chunks: list[torch.Tensor] = []
+
+    def push(self, samples: torch.Tensor) -> None:
+        with self.lock:
+            self.chunks.append(samples.float().flatten())
+
+    def clear(self) -> None:
+        with self.lock:
+            self.chunks.clear()
+
+    def take(self, n: int) -> tuple[torch.Tensor, bool]:
+        """n samples of speech, padded with silence; voiced if any speech was in them."""
+        with self.lock:
+            got, have = [], 0
+            while self.chunks and have < n:
+                c = self.chunks[0]
+                part = c[: n - have]
+                got.append(part)
+                have += part.numel()
+                if part.numel() == c.numel():
+                    self.chunks.pop(0)
+                else:
+                    self.chunks[0] = c[part.numel():]
+        voiced = have > 0
+        out = torch.cat(got) if got else torch.zeros(0)
+        return torch.nn.functional.pad(out, (0, n - out.numel())), voiced
+
+
+class LiveSession:
+    def __init__(self, worker: Worker, publish, slack: int = 2, metrics: Metrics | None = None,
+                 seed: int = 0, session_id: str = ""):
+        """publish(frame [3, H, W], audio [samples at 16 kHz], t, voiced) runs on the pacer's
+        thread at each frame's time."""
+        self.worker, self.spec = worker, worker.spec
+        self.metrics, self.seed, self.session_id = metrics, seed, session_id
+        self.speech = SpeechBuffer()
+        self.history = torch.zeros(audio_mod.window_samples(self.spec))
+        self.epoch = 0  # bumped by each barge-in; steps carry the epoch they were encoded in
+        self.epoch_lock = threading.Lock()
+        self.pacer = Pacer(publish, self.spec.fps, self.spec.frames_per_latent, slack,
+                           on_frame=metrics.frame if metrics else None)
+        self.pipeline: Pipeline | None = None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.interrupts: list[float] = []
+
+    # ---- control (any thread) ---------------------------------------------------------
+    def start(self, image: torch.Tensor, prompt: str = "") -> None:
+        self.worker.start(image, prompt)
+        if self.metrics:
+            self.metrics.session_started()
+        self.pipeline = self.worker.pipeline(self._encode_audio, seed=self.seed)
+        self.thread = threading.Thread(target=self._run, name="live-session", daemon=True)
+        self.thread.start()
+
+    def say(self, samples: torch.Tensor) -> None:
+        self.speech.push(samples)
+
+    def interrupt(self) -> float:
+        """Barge-in; returns its time on the pacer's clock."""
+        with self.epoch_lock:
+            self.epoch += 1
+            self.speech.clear()
+        if self.pipeline is not None:
+            self.pipeline.flush_audio()
+        t = self.pacer.flush()
+        self.interrupts.append(t)
+        return t
+
+    def stop(self) -> float | None:
+        """End the session; returns its average fps as the metrics saw it."""
+        if self.pipeline is not None:
+            self.pipeline.stop.set()
+        self.pacer.close()  # wakes a sink waiting in push()
+        if self.thread is not None:
+            self.thread.join()
+        return self.metrics.session_finished(self.session_id) if self.metrics else None
+
+    # ---- pipeline side ----------------------------------------------------------------
+    def _encode_audio(self, i: int):
+        a, b = audio_mod.step_bounds(self.spec, i)
+        with self.epoch_lock:
+            chunk, voiced = self.speech.take(b - a)
+            epoch = self.epoch
+        self.history = torch.cat([self.history, chunk])[-self.history.numel():]
+        feats = self.worker.side.audio_encoder(self.history.to(self.worker.decoder_device))
+        return feats, (chunk, voiced, epoch)
+
+    def _sink(self, i: int, frames: torch.Tensor, meta) -> None:
+        chunk, voiced, epoch = meta
+        if self.metrics and len(self.pipeline.times.diffusion) > i:
+            t0, t1 = self.pipeline.times.diffusion[i]
+            self.metrics.step.observe(t1 - t0)
+        if epoch < self.epoch:
+            return  # generated for speech a barge-in cancelled
+        self.pacer.push(Step(frames, chunk, voiced))
+
+    def _run(self) -> None:
+        try:
+            self.pipeline.run(None, self._sink)
+        except BaseException as e:  # noqa: BLE001 - reported by the server
+            self.error = e
+
+
+def wait_until(pred, timeout: float, poll: float = 0.01) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(poll)
+    return pred()

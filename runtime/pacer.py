@@ -1,0 +1,121 @@
+"""The pacer: plays finished steps at the frame rate on one monotonic clock, each frame with
+its slice of the step's audio. On an underrun it holds the last frame and shifts its schedule
+by the delay (runtime/playout.py); it never drops a frame, except on a barge-in, which drops
+every frame not yet played.
+
+Backpressure: push() returns once at most slack - 1 finished steps wait to play, so with
+slack s the generator starts step k only after step k - s has started playing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .playout import Playout
+
+
+@dataclass
+class Step:
+    frames: torch.Tensor  # [frames_per_step, 3, H, W]
+    audio: torch.Tensor  # [samples] for the whole step
+    voiced: bool = False
+
+
+def split_audio(audio: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    n = audio.numel()
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [audio[bounds[i]: bounds[i + 1]] for i in range(parts)]
+
+
+class Pacer:
+    def __init__(self, publish: Callable[[torch.Tensor, torch.Tensor, float, bool], None],
+                 fps: float = 24.0, frames_per_step: int = 4, slack: int = 2,
+                 clock: Callable[[], float] = time.monotonic, on_frame=None):
+        """publish(frame [3, H, W], audio [samples], t, voiced) is called at each frame's time
+        t on `clock`. on_frame(t, slot) (optional) sees each frame's time and its slot."""
+        if slack < 1:
+            raise ValueError("slack must be at least 1")
+        self.publish, self.fps, self.slack, self.clock = publish, fps, slack, clock
+        self.on_frame = on_frame
+        self.playout = Playout(fps, frames_per_step)
+        self.queue: list[Step] = []
+        self.cv = threading.Condition()
+        self.closed = False
+        self.epoch = 0  # bumped by flush(): the playing step stops
+        self.frames_played = 0
+        self.last_voiced_t: float | None = None
+        self.thread = threading.Thread(target=self._run, name="pacer", daemon=True)
+        self.thread.start()
+
+    # ---- producer side ---------------------------------------------------------------
+    def push(self, step: Step, timeout: float | None = None) -> bool:
+        """Queue a finished step; wait until at most slack - 1 steps wait to play. False if
+        the pacer closed or the wait timed out."""
+        with self.cv:
+            if self.closed:
+                return False
+            self.queue.append(step)
+            self.cv.notify_all()
+            return self.cv.wait_for(lambda: self.closed or len(self.queue) <= self.slack - 1,
+                                    timeout) and not self.closed
+
+    def flush(self) -> float:
+        """Barge-in: drop every queued step and the rest of the playing one. Returns the
+        time of the flush on the pacer's clock."""
+        with self.cv:
+            self.epoch += 1
+            self.queue.clear()
+            now = self.clock()
+            self.playout.next_slot = now  # dropped frames give back their slots
+            self.cv.notify_all()
+            return now
+
+    def close(self, drain: bool = False) -> None:
+        """Stop; with drain, first play what is queued."""
+        with self.cv:
+            if drain:
+                self.cv.wait_for(lambda: not self.queue)
+            self.closed = True
+            self.cv.notify_all()
+        self.thread.join()
+
+    # ---- the playing thread ----------------------------------------------------------
+    def _sleep_until(self, t: float, epoch: int) -> bool:
+        """Wait until clock t; False if closed or flushed meanwhile."""
+        with self.cv:
+            while not self.closed and self.epoch == epoch:
+                left = t - self.clock()
+                if left <= 0:
+                    return True
+                self.cv.wait(left)
+            return False
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                self.cv.wait_for(lambda: self.closed or self.queue)
+                if self.closed and not self.queue:
+                    return
+                if self.closed:
+                    return
+                step = self.queue.pop(0)
+                epoch = self.epoch
+                begin = self.playout.start(self.clock())
+                self.cv.notify_all()
+            audio = split_audio(step.audio, step.frames.shape[0])
+            for j in range(step.frames.shape[0]):
+                slot = begin + j / self.fps
+                if not self._sleep_until(slot, epoch):
+                    break
+                t = self.clock()
+                self.publish(step.frames[j], audio[j], t, step.voiced)
+                self.frames_played += 1
+                if step.voiced:
+                    self.last_voiced_t = t
+                if self.on_frame is not None:
+                    self.on_frame(t, slot)

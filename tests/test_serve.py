@@ -1,0 +1,119 @@
+"""charrun --serve end to end: the server and headless Chromium inside a network namespace
+that the test creates (aioice gathers no loopback candidates; inside the namespace the only
+other addresses are on a veth pair of the test's own, both ends inside, so no traffic
+leaves it)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engines import ROOT, build_target
+
+CHROMIUM = shutil.which("chromium")
+
+
+def _can_netns() -> bool:
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    name = f"charprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+def _have_playwright() -> bool:
+    try:
+        import playwright  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM and _have_playwright() and _can_netns()),
+    reason="needs root (network namespaces), Debian's chromium and playwright")
+
+
+@pytest.fixture
+def netns():
+    name = f"charns{os.getpid()}"
+    run = lambda *a: subprocess.run(["ip", *a], check=True, capture_output=True)  # noqa: E731
+    run("netns", "add", name)
+    try:
+        run("-n", name, "link", "set", "lo", "up")
+        run("-n", name, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        for dev, addr in (("v0", "10.233.0.1/24"), ("v1", "10.233.0.2/24")):
+            run("-n", name, "addr", "add", addr, "dev", dev)
+            run("-n", name, "link", "set", dev, "up")
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _in_ns(ns, *cmd):
+    return ["ip", "netns", "exec", ns, *cmd]
+
+
+def _wait_http(ns, url, timeout=60):
+    end = time.time() + timeout
+    while time.time() < end:
+        r = subprocess.run(_in_ns(ns, sys.executable, "-c",
+                                  f"import urllib.request; urllib.request.urlopen('{url}')"),
+                           capture_output=True)
+        if r.returncode == 0:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def _get(ns, url) -> str:
+    return subprocess.run(_in_ns(ns, sys.executable, "-c",
+                                 f"import urllib.request; print(urllib.request.urlopen('{url}')"
+                                 ".read().decode())"), capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_page_streams_video_at_24fps_with_audio_to_chromium(netns, tmp_path):
+    engine = build_target(tmp_path)
+    port = 8765
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen(_in_ns(netns, sys.executable, "-m", "charengine.runtime.cli",
+                                     "--engine", str(engine), "--serve", "--port", str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        _wait_http(netns, url)
+        shot = tmp_path / "page.png"
+        r = subprocess.run(_in_ns(netns, sys.executable, str(ROOT / "tests/browser_client.py"),
+                                  "--url", url, "--image", str(ROOT / "assets/face.png"),
+                                  "--speech", str(ROOT / "assets/speech.wav"),
+                                  "--seconds", "4", "--shot", str(shot)),
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        stats = json.loads(r.stdout.strip().splitlines()[-1])
+        first, last = stats["first"], stats["last"]
+        fps = (last["video"]["framesDecoded"] - first["video"]["framesDecoded"]) / stats["elapsed"]
+        assert 20 <= fps <= 28, stats
+        assert last["video"]["frameWidth"] == 64
+        samples = last["audio"]["totalSamplesReceived"] - first["audio"]["totalSamplesReceived"]
+        assert samples > 0.8 * 48000 * stats["elapsed"], stats  # audio keeps arriving
+        concealed = last["audio"]["concealedSamples"] - first["audio"]["concealedSamples"]
+        assert concealed < 0.05 * samples, stats  # and plays without gaps
+        assert shot.stat().st_size > 1000
+        metrics = _get(netns, url + "metrics")
+        assert "charengine_sessions_started_total 1.0" in metrics
+        assert "charengine_frame_drift_seconds_count" in metrics
+    finally:
+        server.terminate()
+        try:
+            out, _ = server.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            out, _ = server.communicate()
+    assert "Traceback" not in out, out
