@@ -52,9 +52,9 @@ class Metrics:
         self._session_frames += 1
         self._interval_frames += 1
         self._last_t = t
-        if t - self._interval_start >= self.interval_s:
-            self.fps.set(self._interval_frames / (t - self._interval_start))
-            self._interval_start, self._interval_frames = t, 0
+        if t - self._interval_start >= self.interval_s - 1e-9:
+            self.fps.set((self._interval_frames - 1) / (t - self._interval_start))
+            self._interval_start, self._interval_frames = t, 1
 
     def session_finished(self, session_id: str = "") -> float | None:
         """Returns the session's average fps (None if it played under a second)."""

@@ -47,6 +47,7 @@ class Pacer:
         self.cv = threading.Condition()
         self.closed = False
         self.epoch = 0  # bumped by flush(): the playing step stops
+        self.playing = False
         self.frames_played = 0
         self.last_voiced_t: float | None = None
         self.thread = threading.Thread(target=self._run, name="pacer", daemon=True)
@@ -79,7 +80,7 @@ class Pacer:
         """Stop; with drain, first play what is queued."""
         with self.cv:
             if drain:
-                self.cv.wait_for(lambda: not self.queue)
+                self.cv.wait_for(lambda: not self.queue and not self.playing)
             self.closed = True
             self.cv.notify_all()
         self.thread.join()
@@ -99,11 +100,10 @@ class Pacer:
         while True:
             with self.cv:
                 self.cv.wait_for(lambda: self.closed or self.queue)
-                if self.closed and not self.queue:
-                    return
                 if self.closed:
                     return
                 step = self.queue.pop(0)
+                self.playing = True
                 epoch = self.epoch
                 begin = self.playout.start(self.clock())
                 self.cv.notify_all()
@@ -119,3 +119,6 @@ class Pacer:
                     self.last_voiced_t = t
                 if self.on_frame is not None:
                     self.on_frame(t, slot)
+            with self.cv:
+                self.playing = False
+                self.cv.notify_all()
