@@ -79,7 +79,8 @@ def _get(ns, url) -> str:
                           check=True).stdout
 
 
-def test_page_streams_video_at_24fps_with_audio_to_chromium(netns, tmp_path):
+@pytest.mark.parametrize("source", ["upload", "microphone"])
+def test_page_streams_video_at_24fps_with_audio_to_chromium(netns, tmp_path, source):
     engine = build_target(tmp_path)
     port = 8765
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -90,10 +91,10 @@ def test_page_streams_video_at_24fps_with_audio_to_chromium(netns, tmp_path):
         url = f"http://127.0.0.1:{port}/"
         _wait_http(netns, url)
         shot = tmp_path / "page.png"
+        speech = ["--speech", str(ROOT / "assets/speech.wav")] if source == "upload" else ["--mic"]
         r = subprocess.run(_in_ns(netns, sys.executable, str(ROOT / "tests/browser_client.py"),
                                   "--url", url, "--image", str(ROOT / "assets/face.png"),
-                                  "--speech", str(ROOT / "assets/speech.wav"),
-                                  "--seconds", "4", "--shot", str(shot)),
+                                  *speech, "--seconds", "4", "--shot", str(shot)),
                            capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, r.stdout + r.stderr
         stats = json.loads(r.stdout.strip().splitlines()[-1])
@@ -108,6 +109,7 @@ def test_page_streams_video_at_24fps_with_audio_to_chromium(netns, tmp_path):
         assert shot.stat().st_size > 1000
         metrics = _get(netns, url + "metrics")
         assert "charengine_sessions_started_total 1.0" in metrics
+        assert "charengine_sessions_finished_total 1.0" in metrics  # the page's Stop
         assert "charengine_frame_drift_seconds_count" in metrics
     finally:
         server.terminate()
