@@ -153,17 +153,17 @@ class ModelSpec:
         return self.n_blocks * (self.in_proj_dim * self.dim + self.dim * self.out_proj_dim)
 
 
+TINY = ModelSpec(
+    name="tiny", dim=64, n_heads=4, n_blocks=2, mlp_align=16, latent_channels=8, vae_stride=8,
+    grid_h=4, grid_w=4, audio_tokens=1, audio_dim=32, prompt_tokens=8, text_dim=32,
+    rope_split=(6, 4, 6), time_freq_dim=32, side=TINY_SIDE)
+
 PRESETS: dict[str, ModelSpec] = {
     "characters-57b": ModelSpec(name="characters-57b", dim=7680, n_heads=60, n_blocks=60),
-    "tiny": ModelSpec(
-        name="tiny", dim=64, n_heads=4, n_blocks=2, mlp_align=16, latent_channels=8, vae_stride=8,
-        grid_h=4, grid_w=4, audio_tokens=1, audio_dim=32, prompt_tokens=8, text_dim=32,
-        rope_split=(6, 4, 6), time_freq_dim=32, side=TINY_SIDE),
+    "tiny": TINY,
     # Ten heads: splits unevenly over 3, 4 and 7 ranks; the uneven-TP tests use it.
-    "tiny-10h": ModelSpec(
-        name="tiny-10h", dim=80, n_heads=10, n_blocks=2, mlp_align=16, latent_channels=8,
-        vae_stride=8, grid_h=4, grid_w=4, audio_tokens=1, audio_dim=32, prompt_tokens=8,
-        text_dim=32, rope_split=(2, 2, 4), time_freq_dim=32, side=TINY_SIDE),
+    "tiny-10h": dataclasses.replace(TINY, name="tiny-10h", dim=80, n_heads=10,
+                                    rope_split=(2, 2, 4)),
 }
 
 

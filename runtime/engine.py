@@ -37,15 +37,15 @@ def check_machine(target: Target, built_with: dict, machine: dict) -> None:
         if machine["gpu_arch"] != target.gpu_arch:
             raise EngineError(f"engine {target.name} was built for {target.gpu_arch}; this "
                               f"machine's GPU is {machine['gpu_name']} ({machine['gpu_arch']})")
-    for key in ("torch", "cuda"):
-        built, here = built_with.get(key), machine.get(key)
-        if key == "torch":
-            built, here = _minor(built or ""), _minor(here or "")
-        if target.device == "cuda" or key == "torch":
-            if built != here:
-                raise EngineError(f"engine {target.name} was built with {key} {built_with.get(key)};"
-                                  f" this machine has {key} {machine.get(key)}: rebuild it here "
-                                  "with charbuild")
+    built, here = _minor(built_with.get("torch") or ""), _minor(machine.get("torch") or "")
+    if built != here:
+        raise EngineError(f"engine {target.name} was built with torch {built_with.get('torch')}; "
+                          f"this machine has torch {machine.get('torch')}: rebuild it here with "
+                          "charbuild")
+    if target.device == "cuda" and built_with.get("cuda") != machine.get("cuda"):
+        raise EngineError(f"engine {target.name} was built with CUDA {built_with.get('cuda')}; "
+                          f"this machine has CUDA {machine.get('cuda')}: rebuild it here with "
+                          "charbuild")
 
 
 @dataclass
