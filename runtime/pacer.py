@@ -4,7 +4,8 @@ by the delay (runtime/playout.py); it never drops a frame, except on a barge-in,
 every frame not yet played.
 
 Backpressure: push() returns once at most slack - 1 finished steps wait to play, so with
-slack s the generator starts step k only after step k - s has started playing.
+slack s the generator starts step k only after step k - s has started playing (a step counts
+as started when the pacer takes it, right after the previous step's last frame).
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ class Pacer:
         self.closed = False
         self.epoch = 0  # bumped by flush(): the playing step stops
         self.playing = False
-        self.frames_played = 0
-        self.last_voiced_t: float | None = None
         self.thread = threading.Thread(target=self._run, name="pacer", daemon=True)
         self.thread.start()
 
@@ -114,9 +113,6 @@ class Pacer:
                     break
                 t = self.clock()
                 self.publish(step.frames[j], audio[j], t, step.voiced)
-                self.frames_played += 1
-                if step.voiced:
-                    self.last_voiced_t = t
                 if self.on_frame is not None:
                     self.on_frame(t, slot)
             with self.cv:
