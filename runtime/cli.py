@@ -63,20 +63,38 @@ def summary_table(times, steps_done: int, wall_s: float, fps: int, frames_per_la
               help="STUN/TURN URL for WebRTC (none by default: loopback and LAN only).")
 @click.option("--slack", type=int, default=2, show_default=True,
               help="Finished steps that may queue ahead of playback.")
-def main(engine_dir, image, audio_path, out, prompt, seed, serve, host, port, ice_servers, slack):
+@click.option("--livekit", is_flag=True,
+              help="Run a LiveKit avatar worker (needs charengine[livekit] and LIVEKIT_URL, "
+                   "LIVEKIT_API_KEY, LIVEKIT_API_SECRET).")
+@click.option("--agent-name", default="charengine-avatar", show_default=True,
+              help="LiveKit agent name the worker registers for explicit dispatch.")
+def main(engine_dir, image, audio_path, out, prompt, seed, serve, host, port, ice_servers, slack,
+         livekit, agent_name):
     """Render a talking character (the image animated to the speech, H.264 + AAC MP4), or
     with --serve stream one over WebRTC to a local page."""
     err = Console(stderr=True)
-    if not serve and not (image and audio_path and out):
-        raise click.UsageError("give --image, --audio and --out, or --serve")
+    if not (serve or livekit) and not (image and audio_path and out):
+        raise click.UsageError("give --image, --audio and --out, or --serve, or --livekit")
     try:
         engine = Engine.load(engine_dir)
         spec = engine.config.model
-        if serve:
-            from .server import serve as run_server
+        if serve or livekit:
             from .worker import Worker
 
-            return run_server(Worker(engine), host, port, list(ice_servers), slack)
+            worker = Worker(engine)
+            if livekit:
+                try:
+                    from .livekit_avatar import LiveKitSetupError, run_worker
+                except ImportError:
+                    raise click.ClickException("--livekit needs the livekit extra: pip install "
+                                               "'charengine[livekit]'") from None
+                try:
+                    return run_worker(worker, agent_name)
+                except LiveKitSetupError as e:
+                    raise click.ClickException(str(e)) from None
+            from .server import serve as run_server
+
+            return run_server(worker, host, port, list(ice_servers), slack)
         speech = read_audio(audio_path, spec.side.sample_rate)
         picture = read_image(image, spec.out_h, spec.out_w)
         from .worker import Worker

@@ -23,24 +23,36 @@ from .worker import Worker
 
 
 class SpeechBuffer:
+    """Queued speech: sample chunks, and None where a turn's audio ends."""
+
     def __init__(self):
         self.lock = threading.Lock()
-        self.chunks: list[torch.Tensor] = []
+        self.chunks: list[torch.Tensor | None] = []
 
     def push(self, samples: torch.Tensor) -> None:
         with self.lock:
             self.chunks.append(samples.float().flatten())
 
+    def end_segment(self) -> None:
+        with self.lock:
+            self.chunks.append(None)
+
     def clear(self) -> None:
         with self.lock:
             self.chunks.clear()
 
-    def take(self, n: int) -> tuple[torch.Tensor, bool]:
-        """n samples of speech, padded with silence; voiced if any speech was in them."""
+    def take(self, n: int) -> tuple[torch.Tensor, bool, bool]:
+        """n samples of speech, padded with silence; voiced if any speech was in them; ended
+        if a turn's end was reached in them (the rest of the turn, if any, waits)."""
+        ended = False
         with self.lock:
             got, have = [], 0
             while self.chunks and have < n:
                 c = self.chunks[0]
+                if c is None:
+                    self.chunks.pop(0)
+                    ended = True
+                    break
                 part = c[: n - have]
                 got.append(part)
                 have += part.numel()
@@ -48,14 +60,17 @@ class SpeechBuffer:
                     self.chunks.pop(0)
                 else:
                     self.chunks[0] = c[part.numel():]
+            if not ended and self.chunks and self.chunks[0] is None:
+                self.chunks.pop(0)
+                ended = True
         voiced = have > 0
         out = torch.cat(got) if got else torch.zeros(0)
-        return torch.nn.functional.pad(out, (0, n - out.numel())), voiced
+        return torch.nn.functional.pad(out, (0, n - out.numel())), voiced, ended
 
 
 class LiveSession:
     def __init__(self, worker: Worker, publish, slack: int = 2, metrics: Metrics | None = None,
-                 seed: int = 0, session_id: str = ""):
+                 seed: int = 0, session_id: str = "", on_step_done=None):
         """publish(frame [3, H, W], audio [samples at 16 kHz], t, voiced) runs on the pacer's
         thread at each frame's time."""
         self.worker, self.spec = worker, worker.spec
@@ -65,7 +80,7 @@ class LiveSession:
         self.epoch = 0  # bumped by each barge-in; steps carry the epoch they were encoded in
         self.epoch_lock = threading.Lock()
         self.pacer = Pacer(publish, self.spec.fps, self.spec.frames_per_latent, slack,
-                           on_frame=metrics.frame if metrics else None)
+                           on_frame=metrics.frame if metrics else None, on_step_done=on_step_done)
         self.pipeline: Pipeline | None = None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -82,6 +97,10 @@ class LiveSession:
 
     def say(self, samples: torch.Tensor) -> None:
         self.speech.push(samples)
+
+    def end_turn(self) -> None:
+        """The current turn's audio is complete; the step that plays its end says so."""
+        self.speech.end_segment()
 
     def interrupt(self) -> float:
         """Barge-in; returns its time on the pacer's clock."""
@@ -107,20 +126,20 @@ class LiveSession:
     def _encode_audio(self, i: int):
         a, b = audio_mod.step_bounds(self.spec, i)
         with self.epoch_lock:
-            chunk, voiced = self.speech.take(b - a)
+            chunk, voiced, ended = self.speech.take(b - a)
             epoch = self.epoch
         self.history = torch.cat([self.history, chunk])[-self.history.numel():]
         feats = self.worker.side.audio_encoder(self.history.to(self.worker.decoder_device))
-        return feats, (chunk, voiced, epoch)
+        return feats, (chunk, voiced, ended, epoch)
 
     def _sink(self, i: int, frames: torch.Tensor, meta) -> None:
-        chunk, voiced, epoch = meta
+        chunk, voiced, ended, epoch = meta
         if self.metrics and len(self.pipeline.times.diffusion) > i:
             t0, t1 = self.pipeline.times.diffusion[i]
             self.metrics.step.observe(t1 - t0)
         if epoch < self.epoch:
             return  # generated for speech a barge-in cancelled
-        self.pacer.push(Step(frames, chunk, voiced))
+        self.pacer.push(Step(frames, chunk, voiced, ended))
 
     def _run(self) -> None:
         try:

@@ -25,6 +25,7 @@ class Step:
     frames: torch.Tensor  # [frames_per_step, 3, H, W]
     audio: torch.Tensor  # [samples] for the whole step
     voiced: bool = False
+    segment_end: bool = False  # a turn's audio ends within this step
 
 
 def split_audio(audio: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -36,13 +37,14 @@ def split_audio(audio: torch.Tensor, parts: int) -> list[torch.Tensor]:
 class Pacer:
     def __init__(self, publish: Callable[[torch.Tensor, torch.Tensor, float, bool], None],
                  fps: float = 24.0, frames_per_step: int = 4, slack: int = 2,
-                 clock: Callable[[], float] = time.monotonic, on_frame=None):
+                 clock: Callable[[], float] = time.monotonic, on_frame=None, on_step_done=None):
         """publish(frame [3, H, W], audio [samples], t, voiced) is called at each frame's time
-        t on `clock`. on_frame(t, slot) (optional) sees each frame's time and its slot."""
+        t on `clock`. on_frame(t, slot) (optional) sees each frame's time and its slot;
+        on_step_done(step) (optional) runs after a step's last frame (not after a flush)."""
         if slack < 1:
             raise ValueError("slack must be at least 1")
         self.publish, self.fps, self.slack, self.clock = publish, fps, slack, clock
-        self.on_frame = on_frame
+        self.on_frame, self.on_step_done = on_frame, on_step_done
         self.playout = Playout(fps, frames_per_step)
         self.queue: list[Step] = []
         self.cv = threading.Condition()
@@ -115,6 +117,9 @@ class Pacer:
                 self.publish(step.frames[j], audio[j], t, step.voiced)
                 if self.on_frame is not None:
                     self.on_frame(t, slot)
+            else:
+                if self.on_step_done is not None:
+                    self.on_step_done(step)
             with self.cv:
                 self.playing = False
                 self.cv.notify_all()

@@ -1,0 +1,233 @@
+"""LiveKit Agents integration (the optional extra `charengine[livekit]`): the character as a
+LiveKit avatar behind a voice agent.
+
+- `CharacterVideoGenerator`: LiveKit's `VideoGenerator` over a charengine live session. It
+  takes the agent's audio frames at any rate, yields paced video frames, each speaking frame
+  followed by exactly one frame's worth of audio (1,000 samples at 24 kHz, 2,000 at 48 kHz),
+  an `AudioSegmentEnd` once a turn's audio has played, listening frames (video only, so the
+  runner's playback position counts the turn's audio alone) between turns, and on
+  `clear_buffer` (barge-in) drops the queued audio, the steps not yet started and the frames
+  not yet played.
+- In-process mode: the agent's audio output is a `QueueAudioOutput` that is also the
+  `AvatarRunner`'s receiver (`start_in_process`).
+- Data-stream mode: `CharengineAvatarSession` (agent side) dispatches the avatar worker to the
+  room and sends it audio with `DataStreamAudioOutput`; `charrun --livekit` runs that worker
+  (`run_worker`): it registers with the LiveKit server named by LIVEKIT_URL, LIVEKIT_API_KEY
+  and LIVEKIT_API_SECRET, joins each dispatched room with `DataStreamAudioReceiver` and an
+  `AvatarRunner`, serves one session at a time and reports itself fully loaded while it
+  streams, so the server's dispatch spreads sessions over the fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+
+import av
+import numpy as np
+import torch
+from livekit import api, rtc
+from livekit.agents import AgentServer, JobContext, JobExecutorType, JobRequest, WorkerOptions
+from livekit.agents.voice.avatar import (AudioSegmentEnd, AvatarOptions, AvatarRunner,
+                                         AvatarSession, DataStreamAudioOutput,
+                                         DataStreamAudioReceiver, QueueAudioOutput,
+                                         VideoGenerator)
+
+from .live import LiveSession
+from .media import read_image
+from .metrics import Metrics
+from .pacer import Step
+from .worker import Worker
+
+log = logging.getLogger("charengine.livekit")
+AGENT_NAME = "charengine-avatar"
+
+
+class LiveKitSetupError(RuntimeError):
+    pass
+
+
+def frame_samples(rate: int, fps: int) -> int:
+    if rate % fps:
+        raise ValueError(f"audio at {rate} Hz does not divide into {fps} fps frames; use a rate "
+                         f"that is a multiple of {fps} (24000 or 48000)")
+    return rate // fps
+
+
+class CharacterVideoGenerator(VideoGenerator):
+    def __init__(self, worker: Worker, image: torch.Tensor, prompt: str = "", *,
+                 audio_rate: int = 24000, slack: int = 2, metrics: Metrics | None = None):
+        spec = worker.spec
+        self.worker, self.image, self.prompt = worker, image, prompt
+        self.rate, self.fps = audio_rate, spec.fps
+        self.spf = frame_samples(audio_rate, spec.fps)
+        self.width, self.height = spec.out_w, spec.out_h
+        self.loop = asyncio.get_running_loop()
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.session = LiveSession(worker, self._publish, slack, metrics,
+                                   on_step_done=self._step_done)
+        self._in_rs: dict[tuple[int, int], av.AudioResampler] = {}
+        self._out_rs = av.AudioResampler(format="s16", layout="mono", rate=audio_rate)
+        self._fifo = np.zeros(0, dtype=np.int16)
+        self.started = False
+
+    def options(self) -> AvatarOptions:
+        return AvatarOptions(video_width=self.width, video_height=self.height,
+                             video_fps=self.fps, audio_sample_rate=self.rate, audio_channels=1)
+
+    async def start(self) -> None:
+        await self.loop.run_in_executor(None, self.session.start, self.image, self.prompt)
+        self.started = True
+
+    async def aclose(self) -> None:
+        await self.loop.run_in_executor(None, self.session.stop)
+
+    # ---- VideoGenerator --------------------------------------------------------------
+    async def push_audio(self, frame: rtc.AudioFrame | AudioSegmentEnd) -> None:
+        if isinstance(frame, AudioSegmentEnd):
+            self.session.end_turn()
+            return
+        key = (frame.sample_rate, frame.num_channels)
+        if key not in self._in_rs:
+            self._in_rs[key] = av.AudioResampler(format="flt", layout="mono",
+                                                 rate=self.worker.spec.side.sample_rate)
+        pcm = np.frombuffer(frame.data, dtype=np.int16).reshape(1, -1)
+        af = av.AudioFrame.from_ndarray(pcm, format="s16",
+                                        layout="mono" if frame.num_channels == 1 else "stereo")
+        af.sample_rate = frame.sample_rate
+        for f in self._in_rs[key].resample(af):
+            self.session.say(torch.from_numpy(f.to_ndarray().reshape(-1).copy()))
+
+    def clear_buffer(self) -> None:
+        self.session.interrupt()
+
+    def __aiter__(self) -> AsyncIterator[rtc.VideoFrame | rtc.AudioFrame | AudioSegmentEnd]:
+        return self._frames()
+
+    async def _frames(self):
+        while True:
+            yield await self.out.get()
+
+    # ---- the pacer's thread ----------------------------------------------------------
+    def _publish(self, frame: torch.Tensor, audio: torch.Tensor, t: float, voiced: bool) -> None:
+        rgba = torch.cat([frame.clamp(0, 1), torch.ones_like(frame[:1])])
+        rgba = (rgba * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
+        video = rtc.VideoFrame(self.width, self.height, rtc.VideoBufferType.RGBA, rgba.tobytes())
+        self.loop.call_soon_threadsafe(self.out.put_nowait, video)
+        if not voiced:  # listening: no audio, and the resampler starts afresh next turn
+            if self._fifo.size:
+                self._out_rs = av.AudioResampler(format="s16", layout="mono", rate=self.rate)
+                self._fifo = np.zeros(0, dtype=np.int16)
+            return
+        af = av.AudioFrame.from_ndarray(audio.float().numpy().reshape(1, -1), format="flt",
+                                        layout="mono")
+        af.sample_rate = self.worker.spec.side.sample_rate
+        chunks = [f.to_ndarray().reshape(-1) for f in self._out_rs.resample(af)]
+        self._fifo = np.concatenate([self._fifo, *chunks]) if chunks else self._fifo
+        pcm = self._fifo[: self.spf]
+        self._fifo = self._fifo[self.spf:]
+        pcm = np.pad(pcm, (0, self.spf - pcm.size))  # only while the resampler fills
+        sound = rtc.AudioFrame(pcm.astype(np.int16).tobytes(), self.rate, 1, self.spf)
+        self.loop.call_soon_threadsafe(self.out.put_nowait, sound)
+
+    def _step_done(self, step: Step) -> None:
+        if step.segment_end:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, AudioSegmentEnd())
+
+
+async def start_in_process(room: rtc.Room, worker: Worker, image: torch.Tensor, prompt: str = "",
+                           *, audio_rate: int = 24000) -> tuple[QueueAudioOutput, AvatarRunner,
+                                                                CharacterVideoGenerator]:
+    """In-process mode: returns the QueueAudioOutput to set as the agent session's audio
+    output (`session.output.audio = audio`), the running AvatarRunner and the generator."""
+    gen = CharacterVideoGenerator(worker, image, prompt, audio_rate=audio_rate)
+    await gen.start()
+    audio = QueueAudioOutput(sample_rate=audio_rate)
+    runner = AvatarRunner(room, audio_recv=audio, video_gen=gen, options=gen.options())
+    await runner.start()
+    return audio, runner, gen
+
+
+class CharengineAvatarSession(AvatarSession):
+    """Agent side of the data-stream mode: dispatch a charengine avatar worker to the room
+    and route the agent's speech to it."""
+
+    def __init__(self, image_path: str, prompt: str = "", *, avatar_identity: str = AGENT_NAME,
+                 agent_name: str = AGENT_NAME, sample_rate: int = 24000):
+        super().__init__()
+        with open(image_path, "rb") as f:
+            self.image_url = "data:image;base64," + base64.b64encode(f.read()).decode()
+        self.prompt, self.agent_name, self.sample_rate = prompt, agent_name, sample_rate
+        self._identity = avatar_identity
+
+    @property
+    def avatar_identity(self) -> str:
+        return self._identity
+
+    @property
+    def provider(self) -> str:
+        return "charengine"
+
+    async def start(self, agent_session, room: rtc.Room, *, livekit_url: str | None = None,
+                    api_key: str | None = None, api_secret: str | None = None) -> None:
+        await super().start(agent_session, room)
+        metadata = json.dumps({"image": self.image_url, "prompt": self.prompt,
+                               "identity": self._identity,
+                               "sender": room.local_participant.identity})
+        async with api.LiveKitAPI(livekit_url, api_key, api_secret) as lk:
+            await lk.agent_dispatch.create_dispatch(api.CreateAgentDispatchRequest(
+                agent_name=self.agent_name, room=room.name, metadata=metadata))
+        agent_session.output.audio = DataStreamAudioOutput(
+            room, destination_identity=self._identity, sample_rate=self.sample_rate,
+            wait_remote_track=rtc.TrackKind.KIND_VIDEO)
+
+
+def run_worker(worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 24000) -> None:
+    """charrun --livekit: an avatar worker that serves one session at a time."""
+    missing = [v for v in ("LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET")
+               if not os.environ.get(v)]
+    if missing:
+        raise LiveKitSetupError(f"set {', '.join(missing)} to the LiveKit server's URL and "
+                                "credentials")
+    spec = worker.spec
+    busy = asyncio.Event()
+
+    async def request(req: JobRequest) -> None:
+        if busy.is_set():
+            await req.reject()
+            return
+        meta = json.loads(req.job.metadata or "{}")
+        await req.accept(identity=meta.get("identity", agent_name), name="charengine")
+
+    async def entrypoint(ctx: JobContext) -> None:
+        meta = json.loads(ctx.job.metadata or "{}")
+        image = read_image(base64.b64decode(meta["image"].split(",", 1)[1]), spec.out_h,
+                           spec.out_w) if meta.get("image") else torch.full(
+                               (3, spec.out_h, spec.out_w), 0.5)
+        busy.set()
+        try:
+            await ctx.connect()
+            gen = CharacterVideoGenerator(worker, image, meta.get("prompt", ""),
+                                          audio_rate=audio_rate)
+            await gen.start()
+            runner = AvatarRunner(ctx.room, audio_recv=DataStreamAudioReceiver(
+                ctx.room, sender_identity=meta.get("sender")), video_gen=gen,
+                options=gen.options())
+            await runner.start()
+            try:
+                await runner.wait_for_complete()
+            finally:
+                await runner.aclose()
+                await gen.aclose()
+        finally:
+            busy.clear()
+
+    opts = WorkerOptions(entrypoint_fnc=entrypoint, request_fnc=request, agent_name=agent_name,
+                         job_executor_type=JobExecutorType.THREAD,
+                         load_fnc=lambda *_: 1.0 if busy.is_set() else 0.0, load_threshold=0.5)
+    server = AgentServer.from_server_options(opts)
+    asyncio.run(server.run())

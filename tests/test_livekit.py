@@ -1,0 +1,229 @@
+"""The LiveKit avatar contract (charengine[livekit]): CharacterVideoGenerator driven by a real
+AvatarRunner and QueueAudioOutput, against a stand-in room (no LiveKit server can run here).
+Tests against a real server are opt-in: they run only when LIVEKIT_URL is set."""
+
+import asyncio
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+lk = pytest.importorskip("livekit.agents.voice.avatar")
+from livekit import rtc  # noqa: E402
+
+from charengine.runtime.engine import Engine  # noqa: E402
+from charengine.runtime.livekit_avatar import CharacterVideoGenerator, frame_samples  # noqa: E402
+from charengine.runtime.worker import Worker  # noqa: E402
+from engines import build_target  # noqa: E402
+
+
+class Publication:
+    async def wait_for_subscription(self):
+        return None
+
+
+class LocalParticipant:
+    identity = "charengine-avatar"
+
+    def __init__(self):
+        self.published = []
+
+    async def publish_track(self, track, options):
+        self.published.append((track.name, options.source))
+        return Publication()
+
+
+class Room(rtc.EventEmitter):
+    """What AvatarRunner uses of rtc.Room: connection state, events, track publishing."""
+
+    name = "test-room"
+
+    def __init__(self):
+        super().__init__()
+        self.local_participant = LocalParticipant()
+
+    def isconnected(self):
+        return True
+
+
+class Tap(lk.VideoGenerator):
+    """Records what the generator hands the runner, with the time of each item."""
+
+    def __init__(self, gen):
+        self.gen, self.items = gen, []
+
+    async def push_audio(self, frame):
+        await self.gen.push_audio(frame)
+
+    def clear_buffer(self):
+        return self.gen.clear_buffer()
+
+    def __aiter__(self):
+        return self._it()
+
+    async def _it(self):
+        async for item in self.gen:
+            self.items.append((time.monotonic(), item))
+            yield item
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    return Worker(Engine.load(build_target(tmp_path_factory.mktemp("eng"))))
+
+
+def tone(seconds, rate, chunk_ms=10):
+    n = int(rate * chunk_ms / 1000)
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype(np.int16)
+    return [rtc.AudioFrame(pcm[i: i + n].tobytes(), rate, 1, n) for i in range(0, pcm.size, n)]
+
+
+async def until(pred, timeout):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        await asyncio.sleep(0.01)
+    return pred()
+
+
+def test_audio_per_frame_must_divide_the_frame_rate():
+    assert frame_samples(24000, 24) == 1000 and frame_samples(48000, 24) == 2000
+    with pytest.raises(ValueError, match="16000 Hz does not divide"):
+        frame_samples(16000, 24)
+
+
+@pytest.mark.parametrize("agent_rate", [24000, 44100])
+def test_turn_plays_then_segment_end_then_listening(worker, agent_rate):
+    async def scenario():
+        room = Room()
+        gen = CharacterVideoGenerator(worker, torch.rand(3, 64, 64), audio_rate=24000)
+        await gen.start()
+        tap = Tap(gen)
+        audio = lk.QueueAudioOutput(sample_rate=agent_rate)
+        finished = []
+        audio.on("playback_finished", finished.append)
+        runner = lk.AvatarRunner(room, audio_recv=audio, video_gen=tap, options=gen.options())
+        await runner.start()
+        await until(lambda: len(tap.items) >= 12, 20)  # listening frames before the turn
+        for f in tone(1.0, agent_rate):
+            await audio.capture_frame(f)
+        audio.flush()
+        ok = await until(lambda: any(isinstance(x, lk.AudioSegmentEnd) for _, x in tap.items), 20)
+        await until(lambda: finished, 5)
+        n_before = len(tap.items)
+        await asyncio.sleep(0.5)
+        after = tap.items[n_before:]
+        await runner.aclose()
+        await gen.aclose()
+        return ok, tap.items, after, finished, room
+
+    ok, items, after, finished, room = asyncio.run(scenario())
+    assert ok
+    kinds = [type(x).__name__ for _, x in items]
+    end = kinds.index("AudioSegmentEnd")
+    audio_frames = [x for _, x in items[:end] if isinstance(x, rtc.AudioFrame)]
+    assert all(f.samples_per_channel == 1000 and f.sample_rate == 24000 for f in audio_frames)
+    # every audio frame follows its video frame
+    for i, k in enumerate(kinds[:end]):
+        if k == "AudioFrame":
+            assert kinds[i - 1] == "VideoFrame"
+    played = len(audio_frames) / 24
+    assert 1.0 <= played <= 1.0 + 1 / 6 + 1e-6  # the turn, rounded up to whole steps
+    assert kinds[:end].count("VideoFrame") >= len(audio_frames) + 12
+    # back to listening: video keeps coming, without audio
+    assert sum(isinstance(x, rtc.VideoFrame) for _, x in after) >= 8
+    assert not any(isinstance(x, rtc.AudioFrame) for _, x in after)
+    assert len(finished) == 1 and not finished[0].interrupted
+    assert finished[0].playback_position == pytest.approx(played, abs=1e-3)
+    assert [s for _, s in room.local_participant.published] == [
+        rtc.TrackSource.SOURCE_MICROPHONE, rtc.TrackSource.SOURCE_CAMERA]
+
+
+def test_clear_buffer_is_a_barge_in(worker):
+    async def scenario():
+        gen = CharacterVideoGenerator(worker, torch.rand(3, 64, 64), audio_rate=48000)
+        await gen.start()
+        tap = Tap(gen)
+        audio = lk.QueueAudioOutput(sample_rate=48000)
+        finished = []
+        audio.on("playback_finished", finished.append)
+        runner = lk.AvatarRunner(Room(), audio_recv=audio, video_gen=tap, options=gen.options())
+        await runner.start()
+        for f in tone(5.0, 48000):
+            await audio.capture_frame(f)
+        await until(lambda: sum(isinstance(x, rtc.AudioFrame) for _, x in tap.items) >= 24, 20)
+        t_clear = time.monotonic()
+        audio.clear_buffer()
+        await until(lambda: finished, 5)
+        await asyncio.sleep(0.8)
+        await runner.aclose()
+        await gen.aclose()
+        return t_clear, tap.items, finished
+
+    t_clear, items, finished = asyncio.run(scenario())
+    voiced = [t for t, x in items if isinstance(x, rtc.AudioFrame)]
+    assert all(x.samples_per_channel == 2000 for _, x in items if isinstance(x, rtc.AudioFrame))
+    assert max(voiced) - t_clear <= 0.4  # goal 0.4 s (paper 0.78)
+    assert len(voiced) < 24 * 5  # the rest of the 5 s turn was dropped
+    assert any(isinstance(x, rtc.VideoFrame) for t, x in items if t > t_clear + 0.3)  # listening
+    assert len(finished) == 1 and finished[0].interrupted
+
+
+def test_livekit_worker_without_a_server_says_what_is_missing(tmp_path):
+    import subprocess
+    import sys
+
+    engine = build_target(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIVEKIT_")}
+    r = subprocess.run([sys.executable, "-m", "charengine.runtime.cli", "--engine", str(engine),
+                        "--livekit"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "set LIVEKIT_URL, LIVEKIT_API_KEY, LIVEKIT_API_SECRET" in r.stderr
+
+
+@pytest.mark.skipif(not os.environ.get("LIVEKIT_URL"), reason="needs a LiveKit server (LIVEKIT_URL)")
+def test_dispatched_worker_joins_and_publishes_video(tmp_path):
+    """Against a real server: charrun --livekit registers; a dispatch to a new room brings
+    the avatar in, publishing its video."""
+    import json
+    import subprocess
+    import sys
+    import uuid
+
+    from livekit import api
+
+    engine = build_target(tmp_path)
+    room_name = f"charengine-test-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen([sys.executable, "-m", "charengine.runtime.cli", "--engine",
+                             str(engine), "--livekit"])
+
+    async def scenario():
+        async with api.LiveKitAPI() as lkapi:
+            await lkapi.room.create_room(api.CreateRoomRequest(name=room_name))
+            await asyncio.sleep(5)  # the worker registers
+            await lkapi.agent_dispatch.create_dispatch(api.CreateAgentDispatchRequest(
+                agent_name="charengine-avatar", room=room_name,
+                metadata=json.dumps({"identity": "charengine-avatar"})))
+            token = (api.AccessToken().with_identity("tester")
+                     .with_grants(api.VideoGrants(room_join=True, room=room_name)).to_jwt())
+            room = rtc.Room()
+            await room.connect(os.environ["LIVEKIT_URL"], token)
+            try:
+                ok = await until(lambda: any(
+                    p.identity == "charengine-avatar" and any(
+                        t.kind == rtc.TrackKind.KIND_VIDEO for t in p.track_publications.values())
+                    for p in room.remote_participants.values()), 60)
+            finally:
+                await room.disconnect()
+                await lkapi.room.delete_room(api.DeleteRoomRequest(room=room_name))
+            return ok
+
+    try:
+        assert asyncio.run(scenario())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
