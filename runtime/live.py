@@ -9,6 +9,7 @@ generator at most a few steps ahead of playback.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -20,6 +21,8 @@ from .metrics import Metrics
 from .pacer import Pacer, Step
 from .pipeline import Pipeline
 from .worker import Worker
+
+log = logging.getLogger("charengine.live")
 
 
 class SpeechBuffer:
@@ -84,7 +87,6 @@ class LiveSession:
         self.pipeline: Pipeline | None = None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.interrupts: list[float] = []
 
     # ---- control (any thread) ---------------------------------------------------------
     def start(self, image: torch.Tensor, prompt: str = "") -> None:
@@ -109,9 +111,7 @@ class LiveSession:
             self.speech.clear()
         if self.pipeline is not None:
             self.pipeline.flush_audio()
-        t = self.pacer.flush()
-        self.interrupts.append(t)
-        return t
+        return self.pacer.flush()
 
     def stop(self) -> float | None:
         """End the session; returns its average fps as the metrics saw it."""
@@ -144,8 +144,9 @@ class LiveSession:
     def _run(self) -> None:
         try:
             self.pipeline.run(None, self._sink)
-        except BaseException as e:  # noqa: BLE001 - reported by the server
+        except BaseException as e:  # noqa: BLE001 - the session ends; the cause is kept and logged
             self.error = e
+            log.exception("live session %s failed", self.session_id)
 
 
 def wait_until(pred, timeout: float, poll: float = 0.01) -> bool:
