@@ -227,3 +227,52 @@ def test_dispatched_worker_joins_and_publishes_video(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_data_stream_mode_turn_and_barge_in_over_rpc_and_byte_streams(worker):
+    """The agent's DataStreamAudioOutput sends speech as byte streams to the avatar's
+    DataStreamAudioReceiver; playback-finished and clear_buffer travel as RPCs."""
+    from livekit_loopback import pair
+
+    async def scenario():
+        agent_room, avatar_room = pair()
+        gen = CharacterVideoGenerator(worker, torch.rand(3, 64, 64), audio_rate=24000)
+        await gen.start()
+        tap = Tap(gen)
+        receiver = lk.DataStreamAudioReceiver(avatar_room, sender_identity="agent")
+        runner = lk.AvatarRunner(avatar_room, audio_recv=receiver, video_gen=tap,
+                                 options=gen.options())
+        await runner.start()
+        out = lk.DataStreamAudioOutput(agent_room, destination_identity="charengine-avatar",
+                                       sample_rate=24000)
+        finished = []
+        out.on("playback_finished", finished.append)
+        for f in tone(1.0, 24000):
+            await out.capture_frame(f)
+        out.flush()
+        await until(lambda: finished, 20)
+        first_turn = list(tap.items)
+        for f in tone(5.0, 24000):
+            await out.capture_frame(f)
+        await until(lambda: sum(isinstance(x, rtc.AudioFrame) for _, x in tap.items)
+                    >= sum(isinstance(x, rtc.AudioFrame) for _, x in first_turn) + 24, 20)
+        t_clear = time.monotonic()
+        out.clear_buffer()
+        await until(lambda: len(finished) >= 2, 10)
+        await asyncio.sleep(0.8)
+        await runner.aclose()
+        await gen.aclose()
+        return first_turn, tap.items, finished, t_clear, avatar_room
+
+    first_turn, items, finished, t_clear, avatar_room = asyncio.run(scenario())
+    kinds = [type(x).__name__ for _, x in first_turn]
+    assert "AudioSegmentEnd" in kinds
+    played = sum(k == "AudioFrame" for k in kinds[: kinds.index("AudioSegmentEnd")]) / 24
+    assert 1.0 <= played <= 1.0 + 1 / 6 + 1e-6
+    assert not finished[0].interrupted
+    assert finished[0].playback_position == pytest.approx(played, abs=1e-3)
+    assert len(finished) >= 2 and finished[1].interrupted
+    voiced = [t for t, x in items if isinstance(x, rtc.AudioFrame)]
+    assert max(voiced) - t_clear <= 0.4
+    assert avatar_room.local_participant.published == [rtc.TrackSource.SOURCE_MICROPHONE,
+                                                       rtc.TrackSource.SOURCE_CAMERA]
