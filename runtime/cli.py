@@ -3,8 +3,10 @@ image and speech into an MP4."""
 
 from __future__ import annotations
 
+import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -109,11 +111,24 @@ def main(engine_dir, image, audio_path, out, prompt, seed, serve, host, port, ic
                         TextColumn("{task.fields[fps]:.1f} fps (real time {task.fields[rt]})"),
                         TimeElapsedColumn(), console=err)
 
+    # Ctrl-C takes effect between steps, so the MP4 always holds whole steps with their audio;
+    # a second Ctrl-C stops at once.
+    interrupt = threading.Event()
+
+    def on_sigint(*_):
+        if interrupt.is_set():
+            raise KeyboardInterrupt
+        interrupt.set()
+
+    signal.signal(signal.SIGINT, on_sigint)
+
     def on_step(done):
         if done == 1:
             click.echo("charrun: first frames written", err=True)
         fps = done * spec.frames_per_latent / (time.perf_counter() - t0)
         progress.update(task, completed=done, fps=fps)
+        if interrupt.is_set():
+            raise KeyboardInterrupt
 
     result = Rendered()
     try:
