@@ -186,6 +186,26 @@ class CharengineAvatarSession(AvatarSession):
             wait_remote_track=rtc.TrackKind.KIND_VIDEO)
 
 
+async def serve_room(room: rtc.Room, worker: Worker, meta: dict, audio_rate: int = 24000) -> None:
+    """The data-stream worker's job in a joined room: the character from the dispatch
+    metadata (image as a data URL, prompt, the agent's identity), driven by the agent's audio
+    streams, until the runner completes or the job is cancelled."""
+    spec = worker.spec
+    image = torch.full((3, spec.out_h, spec.out_w), 0.5)
+    if meta.get("image"):
+        image = read_image(base64.b64decode(meta["image"].split(",", 1)[1]), spec.out_h, spec.out_w)
+    gen = CharacterVideoGenerator(worker, image, meta.get("prompt", ""), audio_rate=audio_rate)
+    await gen.start()
+    receiver = DataStreamAudioReceiver(room, sender_identity=meta.get("sender"))
+    runner = AvatarRunner(room, audio_recv=receiver, video_gen=gen, options=gen.options())
+    try:
+        await runner.start()
+        await runner.wait_for_complete()
+    finally:
+        await runner.aclose()
+        await gen.aclose()
+
+
 def run_worker(worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 24000) -> None:
     """charrun --livekit: an avatar worker that serves one session at a time."""
     missing = [v for v in ("LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET")
@@ -193,7 +213,6 @@ def run_worker(worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 2
     if missing:
         raise LiveKitSetupError(f"set {', '.join(missing)} to the LiveKit server's URL and "
                                 "credentials")
-    spec = worker.spec
     busy = asyncio.Event()
 
     async def request(req: JobRequest) -> None:
@@ -204,25 +223,10 @@ def run_worker(worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 2
         await req.accept(identity=meta.get("identity", agent_name), name="charengine")
 
     async def entrypoint(ctx: JobContext) -> None:
-        meta = json.loads(ctx.job.metadata or "{}")
-        image = read_image(base64.b64decode(meta["image"].split(",", 1)[1]), spec.out_h,
-                           spec.out_w) if meta.get("image") else torch.full(
-                               (3, spec.out_h, spec.out_w), 0.5)
         busy.set()
         try:
             await ctx.connect()
-            gen = CharacterVideoGenerator(worker, image, meta.get("prompt", ""),
-                                          audio_rate=audio_rate)
-            await gen.start()
-            runner = AvatarRunner(ctx.room, audio_recv=DataStreamAudioReceiver(
-                ctx.room, sender_identity=meta.get("sender")), video_gen=gen,
-                options=gen.options())
-            await runner.start()
-            try:
-                await runner.wait_for_complete()
-            finally:
-                await runner.aclose()
-                await gen.aclose()
+            await serve_room(ctx.room, worker, json.loads(ctx.job.metadata or "{}"), audio_rate)
         finally:
             busy.clear()
 

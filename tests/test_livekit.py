@@ -276,3 +276,39 @@ def test_data_stream_mode_turn_and_barge_in_over_rpc_and_byte_streams(worker):
     assert max(voiced) - t_clear <= 0.4
     assert avatar_room.local_participant.published == [rtc.TrackSource.SOURCE_MICROPHONE,
                                                        rtc.TrackSource.SOURCE_CAMERA]
+
+
+def test_data_stream_worker_job_serves_the_dispatched_character(worker):
+    """What charrun --livekit runs in a joined room: the image from the dispatch metadata,
+    the agent's audio from byte streams, playback reports back over RPC."""
+    import base64
+
+    from charengine.runtime.livekit_avatar import serve_room
+    from engines import ROOT
+    from livekit_loopback import pair
+
+    face = "data:image/png;base64," + base64.b64encode((ROOT / "assets/face.png").read_bytes()).decode()
+
+    async def scenario():
+        agent_room, avatar_room = pair()
+        job = asyncio.create_task(serve_room(avatar_room, worker, {"image": face, "sender": "agent"}))
+        out = lk.DataStreamAudioOutput(agent_room, destination_identity="charengine-avatar",
+                                       sample_rate=24000)
+        finished = []
+        out.on("playback_finished", finished.append)
+        await until(lambda: avatar_room.local_participant.published, 20)
+        for f in tone(0.5, 24000):
+            await out.capture_frame(f)
+        out.flush()
+        await until(lambda: finished, 20)
+        job.cancel()
+        try:
+            await job
+        except asyncio.CancelledError:
+            pass
+        return finished, avatar_room
+
+    finished, avatar_room = asyncio.run(scenario())
+    assert len(finished) == 1 and not finished[0].interrupted
+    assert 0.5 <= finished[0].playback_position <= 0.5 + 1 / 6 + 1e-6
+    assert rtc.TrackSource.SOURCE_CAMERA in avatar_room.local_participant.published
