@@ -217,10 +217,11 @@ class Switches:
     delta_rotation: bool = True  # rotate cached window keys by omega * delta at each reset
     conditioning_cache: bool = True  # RoPE tables and conditioning built once per step
     fused_pre_attention: bool = True  # norm + RoPE + quantize + ring write in one plugin op
+    fused_act_quant: bool = True  # per-token FP8 activation quantization in one kernel
     fused_gemm_allreduce: bool = True  # output projection GEMM and TP all-reduce fused
 
     ORDER = ("baked_adaln", "rope_at_write", "ring_cache", "fp8_kv", "conditioning_cache",
-             "fused_pre_attention", "fused_gemm_allreduce")
+             "fused_pre_attention", "fused_act_quant", "fused_gemm_allreduce")
 
     @classmethod
     def baseline(cls) -> "Switches":

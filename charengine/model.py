@@ -89,7 +89,7 @@ class CharacterDiT(torch.nn.Module):
     def __init__(self, cfg: EngineConfig, rank: RankShape, state: dict[str, torch.Tensor],
                  all_reduce: AllReduce = identity, adaln_tables=None, device="cpu"):
         super().__init__()
-        from .plugins import gemm_allreduce, pre_attention
+        from .plugins import act_quant, gemm_allreduce, pre_attention
 
         spec = self.spec = cfg.model
         self.cfg, self.rank = cfg, rank
@@ -113,6 +113,8 @@ class CharacterDiT(torch.nn.Module):
             if sw.fused_pre_attention else None
         self.gemm_allreduce = gemm_allreduce.select(torch.device(device)) \
             if sw.fused_gemm_allreduce else None
+        self.quantize_rows = act_quant.select(torch.device(device)) \
+            if sw.fused_act_quant else fp8.quantize_rows
         self.annotate = False  # label regions for torch.profiler (benchmarks set it)
 
     def scope(self, name: str):
@@ -134,7 +136,7 @@ class CharacterDiT(torch.nn.Module):
                 out = x.to(self.dtype) @ fp8.dequantize(wq, ws[:, None], self.dtype).t()
         else:
             with self.scope("act_quant"):
-                aq, a_s = fp8.quantize_rows(x)
+                aq, a_s = self.quantize_rows(x)
             if reduce is not None and self.gemm_allreduce is not None:
                 with self.scope("fp8_gemm"):
                     return self.gemm_allreduce(aq, a_s, wq, ws, self.dtype, nm.fast_accum, reduce)

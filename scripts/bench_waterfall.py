@@ -16,9 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = ["baseline", "baked_adaln", "rope_at_write", "ring_cache", "fp8_kv", "conditioning_cache"]
+ARMS = ["baseline", "baked_adaln", "rope_at_write", "ring_cache", "fp8_kv", "conditioning_cache",
+        "fused_act_quant"]
 LABELS = {"baseline": "Baseline", "baked_adaln": "+AdaLN", "rope_at_write": "+RoPE@write",
-          "ring_cache": "+Ring cache", "fp8_kv": "+FP8 KV", "conditioning_cache": "+Cond. cache"}
+          "ring_cache": "+Ring cache", "fp8_kv": "+FP8 KV", "conditioning_cache": "+Cond. cache",
+          "fused_act_quant": "+Fused act. quant"}
 
 
 def plot(summary: dict, path: Path, title: str) -> None:
