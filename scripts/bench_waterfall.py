@@ -20,7 +20,7 @@ ARMS = ["baseline", "baked_adaln", "rope_at_write", "ring_cache", "fp8_kv", "con
         "fused_act_quant"]
 LABELS = {"baseline": "Baseline", "baked_adaln": "+AdaLN", "rope_at_write": "+RoPE@write",
           "ring_cache": "+Ring cache", "fp8_kv": "+FP8 KV", "conditioning_cache": "+Cond. cache",
-          "fused_act_quant": "+Fused act. quant"}
+          "fused_act_quant": "+Fused act. quant", "production": "Production (all on)"}
 
 
 def plot(summary: dict, path: Path, title: str) -> None:
@@ -28,7 +28,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = [a for a in ARMS if a in summary]
+    arms = [a for a in ARMS + ["production"] if a in summary]
     vals = [summary[a]["diffusion_p50_ms"] for a in arms]
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(arms) + 1.5))
     y = range(len(arms))[::-1]
