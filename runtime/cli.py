@@ -99,9 +99,9 @@ def main(engine_dir, image, audio_path, out, prompt, seed, serve, host, port, ic
             return run_server(worker, host, port, list(ice_servers), slack)
         speech = read_audio(audio_path, spec.side.sample_rate)
         picture = read_image(image, spec.out_h, spec.out_w)
-        from .worker import Worker
+        from .distributed import open_worker
 
-        worker = Worker(engine)
+        worker = open_worker(engine)
     except (EngineError, MediaError) as e:
         raise click.ClickException(str(e)) from None
 
@@ -136,14 +136,17 @@ def main(engine_dir, image, audio_path, out, prompt, seed, serve, host, port, ic
             task = progress.add_task("steps", total=steps, fps=0.0, rt=spec.fps)
             render(worker, picture, prompt, speech, out, seed, on_step, result)
     except KeyboardInterrupt:
+        worker.close()
         frames = result.steps * spec.frames_per_latent
         click.echo(f"charrun: interrupted after {result.steps} steps; {out} holds {frames} "
                    "frames", err=True)
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - one line, and the MP4 so far is kept
+        worker.close()
         frames = result.steps * spec.frames_per_latent
         raise click.ClickException(f"session failed after {result.steps} steps "
                                    f"({type(e).__name__}: {e}); {out} holds {frames} frames") from None
+    worker.close()
     wall = time.perf_counter() - t0
     err.print(summary_table(result.times, result.steps, wall, spec.fps, spec.frames_per_latent))
     click.echo(f"wrote {out}: {result.steps * spec.frames_per_latent} frames at {spec.fps} fps "

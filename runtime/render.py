@@ -11,7 +11,6 @@ from charengine import audio as audio_mod
 
 from .media import Mp4Writer
 from .pipeline import StepTimes
-from .worker import Worker
 
 
 class Rendered:
@@ -20,9 +19,10 @@ class Rendered:
         self.times: StepTimes | None = None
 
 
-def render(worker: Worker, picture: torch.Tensor, prompt: str, speech: torch.Tensor,
+def render(worker, picture: torch.Tensor, prompt: str, speech: torch.Tensor,
            out: Path, seed: int = 0, on_step=None, result: Rendered | None = None) -> Rendered:
-    """Animate `picture` to `speech` (16 kHz mono) into `out`. `on_step(steps_done)` is
+    """Animate `picture` to `speech` (16 kHz mono) into `out` with a Worker or a
+    DistributedWorker. `on_step(steps_done)` is
     called after each step's frames are written. `result` (if given) is filled in as the
     session runs, so a caller that catches an exception still knows how far it got."""
     spec = worker.spec

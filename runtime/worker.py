@@ -33,6 +33,9 @@ class Worker:
         self.side = load_side(spec, engine.side_state(), self.decoder_device)
         self.spec = spec
 
+    def close(self) -> None:
+        """Nothing to release (a DistributedWorker stops its rank processes here)."""
+
     @torch.inference_mode()
     def start(self, image: torch.Tensor, prompt: str) -> None:
         """New session: encode the reference image and prompt into the global slots."""

@@ -9,8 +9,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ROOT / "engines" / "targets"
 
 
-def build_target(tmp: Path, name: str = "cpu-tiny", **overrides) -> Path:
-    target = Target.from_toml(TARGETS / f"{name}.toml")
+def build_target(tmp: Path, target_file: str = "cpu-tiny", **overrides) -> Path:
+    """Build the target file's engine (with fields overridden) under tmp."""
+    target = Target.from_toml(TARGETS / f"{target_file}.toml")
     if overrides:
         target = Target.from_dict({**target.to_dict(), **overrides})
     out = tmp / target.name

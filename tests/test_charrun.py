@@ -138,3 +138,11 @@ def test_a_failure_mid_session_leaves_a_playable_mp4(engine_dir, tmp_path):
     assert result.steps == 5
     frames, rate, audio_s, _ = probe(tmp_path / "o.mp4")
     assert frames == 20 and rate == 24 and abs(audio_s - frames / 24) <= 1 / 24
+
+
+def test_charrun_runs_a_tp2_engine_as_processes(tmp_path):
+    engine = build_target(tmp_path, "cpu-tiny-tp2")
+    r = run_charrun(engine, SPEECH, tmp_path / "o.mp4")
+    assert r.returncode == 0, r.stderr
+    frames, rate, audio_s, _ = probe(tmp_path / "o.mp4")
+    assert frames == 96 and rate == 24 and abs(audio_s - frames / 24) <= 1 / 24

@@ -81,13 +81,13 @@ def test_not_an_engine(tmp_path):
 def test_engine_for_a_gpu_is_refused_without_one(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    d = build_target(tmp_path, name="h200-tp1", preset="tiny")
+    d = build_target(tmp_path, "h200-tp1", preset="tiny")
     with pytest.raises(EngineError, match="needs 1 CUDA GPU .*this machine has no CUDA GPU"):
         Engine.load(d)
 
 
 def test_tp_degree_larger_than_the_machine_is_refused(tmp_path):
-    d = build_target(tmp_path, name="h100-tp3", preset="tiny")
+    d = build_target(tmp_path, "h100-tp3", preset="tiny")
     m = json.loads((d / "manifest.json").read_text())
     two_gpus = {**this_machine(), "gpu_count": 2, "gpu_arch": "sm_90", "gpu_name": "NVIDIA H200",
                 "cuda": m["built_with"]["cuda"]}

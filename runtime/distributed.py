@@ -1,0 +1,215 @@
+"""The paper's layout across processes: rank 0 runs the audio encoder, the image and text
+encoders and the decoder; ranks 1..tp run the transformer with tensor parallelism (one
+all-reduce per block over their own group). torch.distributed, gloo on CPU (NCCL for the TP
+group on GPUs), so CI runs the same code.
+
+Per step i, rank 0 encodes audio i and broadcasts it, then receives latent i-1 from TP rank 0
+and decodes it while the TP group denoises step i. The TP group sends latent i without
+waiting (isend) and joins the next broadcast, so every hand-off holds one item: depth-one
+queues with backpressure. Each rank records when it starts and ends its work per step
+(time.monotonic is one clock for all processes of a machine).
+
+Faults: collectives time out (`timeout_s`), so a hung rank is detected, and a rank that dies
+breaks its peers' collectives; either ends the session with a RankFailure on rank 0, and
+the group is started afresh for the next session.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from charengine import audio as audio_mod
+
+from .engine import Engine
+from .pipeline import StepTimes
+
+CMD_STEPS, CMD_STOP = 1, 2
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: float,
+                  log_dir: str):
+    """A TP rank's process: global rank = rank + 1."""
+    torch.set_num_threads(1)
+    grank = rank + 1
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=grank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        tp_group = dist.new_group(list(range(1, world)))
+        engine = Engine.load(engine_dir)
+        from charengine.rank import make_session
+
+        def all_reduce(t):
+            dist.all_reduce(t, group=tp_group)
+            return t
+
+        cfg = engine.config
+        spec = cfg.model
+        session = make_session(cfg, engine.rank_state(rank), rank, all_reduce=all_reduce,
+                               adaln_tables=engine.adaln_tables())
+        lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
+        times = []
+        with torch.inference_mode():
+            while True:
+                cmd = torch.zeros(3, dtype=torch.long)
+                dist.broadcast(cmd, 0)
+                if cmd[0] == CMD_STOP:
+                    break
+                steps, seed = int(cmd[1]), int(cmd[2])
+                ref = torch.empty(lat)
+                prompt = torch.empty(spec.prompt_tokens, spec.text_dim)
+                dist.broadcast(ref, 0)
+                dist.broadcast(prompt, 0)
+                session.start(ref, prompt)
+                g = torch.Generator().manual_seed(seed)
+                pending = None
+                times.clear()
+                for i in range(steps):
+                    feats = torch.empty(spec.audio_tokens, spec.audio_dim)
+                    dist.broadcast(feats, 0)
+                    t0 = time.monotonic()
+                    latent = session.step(torch.randn(lat, generator=g), feats)
+                    times.append((t0, time.monotonic()))
+                    if rank == 0:
+                        if pending is not None:
+                            pending.wait()
+                        pending = dist.isend(latent.contiguous(), 0)
+                if pending is not None:
+                    pending.wait()
+                if rank == 0:
+                    dist.send(torch.tensor(times, dtype=torch.float64).reshape(-1, 2), 0)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - written for rank 0 to report
+        with open(os.path.join(log_dir, f"rank{grank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+class DistributedWorker:
+    """Rank 0 of a TP engine: drives sessions on ranks 1..tp, decodes, hands frames to a sink.
+    Same interface as Worker (start, run) so render() and charrun use either."""
+
+    def __init__(self, engine: Engine, timeout_s: float = 60.0, log_dir: str | None = None):
+        from charengine.sidenets import load_side
+
+        self.engine, self.cfg, self.spec = engine, engine.config, engine.config.model
+        self.timeout_s = timeout_s
+        self.side = load_side(self.spec, engine.side_state())
+        self.decoder_device = torch.device("cpu")
+        self.log_dir = log_dir or os.path.join("/tmp", f"charengine-ranks-{os.getpid()}")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.ctx = None
+        self.pending_start = None
+        self._launch()
+
+    # ---- the group ------------------------------------------------------------------
+    def _launch(self) -> None:
+        world = self.cfg.tp + 1
+        port = _free_port()
+        self.ctx = mp.start_processes(
+            _tp_rank_main, args=(world, port, str(self.engine.path), self.timeout_s, self.log_dir),
+            nprocs=self.cfg.tp, join=False, start_method="spawn")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=world,
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+        dist.new_group(list(range(1, world)))  # every rank joins every group's creation
+
+    def _failure(self, e: BaseException) -> RankFailure:
+        """Tear the group down after a fault; describe it in one line."""
+        dead = [i + 1 for i, p in enumerate(self.ctx.processes) if not p.is_alive()]
+        for p in self.ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self.ctx.processes:
+            p.join(5)
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the group is already broken
+            pass
+        self.ctx = None
+        what = (f"rank {', '.join(map(str, dead))} died (exit "
+                f"{', '.join(str(self._exitcode(r)) for r in dead)})" if dead
+                else f"a rank did not answer within {self.timeout_s:g} s")
+        return RankFailure(f"session failed: {what} ({type(e).__name__})")
+
+    def _exitcode(self, grank: int):
+        return self.ctx.processes[grank - 1].exitcode if self.ctx else None
+
+    def close(self) -> None:
+        if self.ctx is None:
+            return
+        try:
+            dist.broadcast(torch.tensor([CMD_STOP, 0, 0]), 0)
+            self.ctx.join(self.timeout_s)
+        finally:
+            dist.destroy_process_group()
+            self.ctx = None
+
+    # ---- sessions -------------------------------------------------------------------
+    @torch.inference_mode()
+    def start(self, image: torch.Tensor, prompt: str) -> None:
+        if self.ctx is None:  # the last session ended in a fault: a fresh group
+            self._launch()
+        self.side.decoder.reset()
+        self.pending_start = (self.side.image_encoder(image).contiguous(),
+                              self.side.text_encoder(prompt).contiguous())
+
+    @torch.inference_mode()
+    def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
+        spec, times = self.spec, StepTimes()
+        lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
+        ref, prompt = self.pending_start
+        try:
+            dist.broadcast(torch.tensor([CMD_STEPS, steps, seed]), 0)
+            dist.broadcast(ref, 0)
+            dist.broadcast(prompt, 0)
+            for i in range(steps + 1):
+                if i < steps:
+                    t0 = time.monotonic()
+                    feats = self.side.audio_encoder(audio_mod.step_window(spec, speech, i))
+                    times.audio.append((t0, time.monotonic()))
+                    dist.broadcast(feats.contiguous(), 0)
+                if i >= 1:
+                    latent = torch.empty(lat)
+                    dist.recv(latent, 1)
+                    t0 = time.monotonic()
+                    frames = self.side.decoder(latent)
+                    times.decode.append((t0, time.monotonic()))
+                    t0 = time.monotonic()
+                    sink(i - 1, frames)
+                    times.sink.append((t0, time.monotonic()))
+            diffusion = torch.empty(steps, 2, dtype=torch.float64)
+            dist.recv(diffusion, 1)
+            times.diffusion = [tuple(r) for r in diffusion.tolist()]
+        except RuntimeError as e:  # gloo errors and timeouts (DistBackendError included)
+            raise self._failure(e) from None
+        except BaseException as e:  # the sink failed or Ctrl-C: the group is mid-session
+            self._failure(e)
+            raise
+        return times
+
+
+def open_worker(engine: Engine):
+    """The worker for an engine's layout: TP-1 in this process, else rank 0 of a group."""
+    if engine.config.tp == 1:
+        from .worker import Worker
+
+        return Worker(engine)
+    return DistributedWorker(engine)

@@ -1,0 +1,90 @@
+"""The decoder rank + TP group as real processes over gloo (the paper's layout, on CPU):
+frames equal the in-process TP-1 worker's, decoding of step i-1 overlaps diffusion of step
+i, and faults end a session with a clear error while the next session runs."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from charengine.runtime.distributed import DistributedWorker, RankFailure
+from charengine.runtime.engine import Engine
+from charengine.runtime.worker import Worker
+from engines import build_target
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eng")
+    return (build_target(d, "cpu-tiny"), build_target(d, "cpu-tiny-tp2"),
+            build_target(d, "cpu-tiny-tp2", name="cpu-tiny-tp3", tp=3))
+
+
+def frames_of(worker, image, speech, steps, on_step=None):
+    out = []
+
+    def sink(i, frames):
+        out.append(frames)
+        if on_step:
+            on_step(i)
+
+    worker.start(image, "hello")
+    times = worker.run(speech, steps, sink, seed=3)
+    return torch.stack(out), times
+
+
+@pytest.mark.parametrize("tp", [2, 3])  # tiny's 4 heads over 3 ranks: 2, 1, 1
+def test_tp_with_decoder_rank_equals_tp1_and_overlaps(engines, tp):
+    tp1, tpn = engines[0], engines[tp - 1]
+    g = torch.Generator().manual_seed(0)
+    image, speech = torch.rand(3, 64, 64, generator=g), torch.randn(16000 * 2, generator=g) * 0.1
+    ref, _ = frames_of(Worker(Engine.load(tp1)), image, speech, 12)
+    worker = DistributedWorker(Engine.load(tpn))
+    try:
+        got, t = frames_of(worker, image, speech, 12)
+    finally:
+        worker.close()
+    assert (got - ref).abs().max() < 2e-2  # TP changes FP8 rounding of the output projection
+    assert len(t.diffusion) == len(t.decode) == 12
+    overlaps = sum(1 for i in range(1, 12) if t.decode[i - 1][0] < t.diffusion[i][1]
+                   and t.decode[i - 1][1] > t.diffusion[i][0])
+    assert overlaps >= 5
+    # rank 0 broadcasts audio i before decoding i-1
+    assert all(t.audio[i][1] <= t.decode[i - 1][0] for i in range(1, 12))
+
+
+def _kill_a_rank_at(worker, step, sig):
+    def on_step(i):
+        if i == step:
+            os.kill(worker.ctx.processes[1].pid, sig)
+    return on_step
+
+
+def test_a_dead_rank_ends_the_session_and_the_next_one_runs(engines):
+    worker = DistributedWorker(Engine.load(engines[1]), timeout_s=20)
+    image, speech = torch.rand(3, 64, 64), torch.randn(16000 * 3) * 0.1
+    try:
+        with pytest.raises(RankFailure, match=r"rank 2 died"):
+            frames_of(worker, image, speech, 18, _kill_a_rank_at(worker, 3, signal.SIGKILL))
+        frames, _ = frames_of(worker, image, speech, 6)  # a fresh group, same worker
+        assert frames.shape == (6, 4, 3, 64, 64)
+    finally:
+        worker.close()
+
+
+def test_a_hung_rank_is_detected_by_the_timeout(engines):
+    worker = DistributedWorker(Engine.load(engines[1]), timeout_s=5)
+    image, speech = torch.rand(3, 64, 64), torch.randn(16000 * 3) * 0.1
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match="did not answer within 5 s"):
+            frames_of(worker, image, speech, 18, _kill_a_rank_at(worker, 3, signal.SIGSTOP))
+        assert time.monotonic() - t0 < 60
+        frames, _ = frames_of(worker, image, speech, 6)
+        assert frames.shape[0] == 6
+    finally:
+        worker.close()
