@@ -17,6 +17,7 @@ VOWELS = {  # first three formants (Hz), roughly an adult voice
     "a": (730, 1090, 2440), "e": (530, 1840, 2480), "i": (270, 2290, 3010),
     "o": (570, 840, 2410), "u": (300, 870, 2240),
 }
+MOUTH_COLOR = (0.45, 0.08, 0.1)
 # mouth shape per vowel: (relative width, relative height at full opening)
 MOUTH_SHAPE = {"a": (1.0, 1.0), "e": (1.2, 0.6), "i": (1.3, 0.4), "o": (0.7, 0.9),
                "u": (0.55, 0.6), "": (1.0, 0.0)}
@@ -104,7 +105,7 @@ def face(size: int, who: Identity, mouth_open: float = 0.0, vowel: str = "",
     w, h = MOUTH_SHAPE[vowel]
     mw = who.face_w * 0.38 * w
     mh = 0.012 + who.face_h * 0.22 * h * mouth_open
-    img[ellipse(cx, cy + who.face_h * 0.5, mw, mh)] = (0.45, 0.08, 0.1)
+    img[ellipse(cx, cy + who.face_h * 0.5, mw, mh)] = MOUTH_COLOR
     return (img * 255).round().astype(np.uint8)
 
 
@@ -120,11 +121,16 @@ class Clip:
     sample_rate: int
 
 
+def loudness(audio: np.ndarray, sample_rate: int, fps: int, frames: int) -> np.ndarray:
+    """RMS per video frame."""
+    hop = sample_rate / fps
+    return np.array([np.sqrt(np.mean(audio[int(i * hop): int((i + 1) * hop)] ** 2) + 1e-12)
+                     for i in range(frames)])
+
+
 def envelope(audio: np.ndarray, sr: int, fps: int, frames: int) -> np.ndarray:
-    """RMS loudness per video frame, normalized to the clip's speaking level, in [0, 1]."""
-    hop = sr / fps
-    rms = np.array([np.sqrt(np.mean(audio[int(i * hop): int((i + 1) * hop)] ** 2) + 1e-12)
-                    for i in range(frames)])
+    """Loudness per video frame, normalized to the clip's speaking level, in [0, 1]."""
+    rms = loudness(audio, sr, fps, frames)
     return np.clip(rms / (np.percentile(rms, 95) + 1e-9), 0, 1)
 
 

@@ -45,6 +45,8 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     # held-out clips come from another seed stream: identities and speech never seen in training
     for split, n, seed in (("train", args.train, args.seed), ("heldout", args.heldout, args.seed + 10**6)):
+        if n == 0:
+            continue
         rng = np.random.default_rng(seed)
         clips = [clip(args.seconds, spec.out_h, rng, spec.fps, spec.side.sample_rate) for _ in range(n)]
         write_split(args.out / f"{split}.safetensors", clips)

@@ -3,14 +3,8 @@ the speech (measured from the pixels, not from the generator's own labels)."""
 
 import numpy as np
 
+from charengine.quality import mouth_opening as mouth_area
 from charengine.synth import clip, envelope
-
-MOUTH_RGB = np.array([0.45, 0.08, 0.1]) * 255
-
-
-def mouth_area(frames):
-    d = np.abs(frames.astype(float) - MOUTH_RGB).sum(-1)
-    return (d < 30).sum(axis=(1, 2))
 
 
 def test_clip_shapes_and_determinism():
