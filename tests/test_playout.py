@@ -60,7 +60,7 @@ def test_pacer_publishes_at_24fps_in_order_with_backpressure():
     assert [v for _, v, _ in out] == [i for i in range(6) for _ in range(4)]
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert abs(sum(gaps) / len(gaps) - 1 / 24) < 0.004
-    assert max(gaps) < 1 / 24 + 0.03
+    assert max(gaps) < 1 / 24 + 0.08
     # slack 2: push(k) returns only once step k - 1 started playing
     assert pushed_back[-1] > 3.5 / 6
     assert sum(n for _, _, n in out) == 6 * 2667
@@ -78,7 +78,7 @@ def test_pacer_holds_on_underrun_and_shifts_its_schedule():
     assert len(out) == 8  # nothing dropped
     assert len(pacer.playout.stalls) == 1 and 0.25 < pacer.playout.stalls[0][1] < 0.45
     gaps = [y - x for x, y in zip(out[4:], out[5:])]
-    assert max(gaps) < 1 / 24 + 0.03  # the late step plays at full rate from its new slot
+    assert max(gaps) < 1 / 24 + 0.08  # the late step plays at full rate from its new slot
 
 
 def test_flush_drops_frames_not_yet_played():
