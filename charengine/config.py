@@ -279,6 +279,10 @@ class EngineConfig:
                 "rope_at_write and delta_rotation go together: keys cached after RoPE need the "
                 "delta rotation at each reset, and without RoPE at write there is nothing to "
                 f"rotate. Set both to {s.rope_at_write or s.delta_rotation}.")
+        if s.fused_pre_attention and not s.rope_at_write:
+            raise ValueError(
+                "fused_pre_attention=True applies RoPE to keys at write: it needs "
+                "rope_at_write=True (or set fused_pre_attention=False).")
         if s.fp8_kv and not self.numerics.fp8_attention:
             raise ValueError(
                 "fp8_kv=True stores K/V for FP8 attention: set numerics.fp8_attention=True, "

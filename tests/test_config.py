@@ -19,6 +19,12 @@ def test_characters_57b_numbers_match_the_paper():
     assert 340 < tflop < 346
 
 
+def test_fused_pre_attention_needs_rope_at_write():
+    with pytest.raises(ValueError, match="fused_pre_attention"):
+        preset("tiny", switches=Switches(rope_at_write=False, delta_rotation=False,
+                                         ring_cache=False))
+
+
 def test_ring_without_rope_at_write_is_rejected():
     with pytest.raises(ValueError, match="rope_at_write"):
         preset("tiny", switches=Switches(rope_at_write=False, delta_rotation=False))
