@@ -12,6 +12,8 @@ from charengine.target import Target
 from charengine.weights import CheckpointError
 
 TARGETS_DIR = Path(__file__).resolve().parents[1] / "engines" / "targets"
+# Presets an engine may be built for without a checkpoint (the embedded default's size).
+EMBEDDED_RANDOM_OK = ("tiny", "tiny-10h")
 
 
 def find_target(name: str) -> Target:
@@ -43,9 +45,15 @@ def main(target_name, out, weights, random_weights, seed, preset_name):
     side networks, and a manifest with checksums that charrun checks before loading."""
     from .build import build
 
-    if bool(weights) == random_weights:
-        raise click.UsageError("give exactly one of --weights CKPT and --random-weights")
+    if weights and random_weights:
+        raise click.UsageError("give one of --weights CKPT and --random-weights, not both")
     target = find_target(target_name)
+    if not weights and not random_weights:
+        if (preset_name or target.preset) not in EMBEDDED_RANDOM_OK:
+            raise click.UsageError(f"{target.name} needs --weights CKPT (or --random-weights "
+                                   "for benchmarks)")
+        click.echo(f"charbuild: no --weights: random weights (seed {seed}); the tiny model's "
+                   "trained checkpoint is not shipped yet", err=True)
     try:
         m = build(target, out, weights=weights, seed=None if weights else seed,
                   preset_name=preset_name, log=lambda s: click.echo(s, err=True))
