@@ -61,15 +61,21 @@ class Decoder(torch.nn.Module):
                 m.reset()
 
     def forward(self, latent: torch.Tensor) -> torch.Tensor:
-        """latent [C, h, w] -> frames [frames_per_latent, 3, H, W] in [0, 1]."""
-        x = self.conv_in(latent[None, :, None].to(self.conv_in.conv.weight.dtype))
+        """latent [C, h, w] -> frames [frames_per_latent, 3, H, W] in [0, 1], continuing the
+        session's causal state."""
+        return self.forward_sequence(latent[None, :, None])[0].transpose(0, 1)
+
+    def forward_sequence(self, latents: torch.Tensor) -> torch.Tensor:
+        """latents [B, C, F, h, w] -> frames [B, 3, F * frames_per_latent, H, W] in [0, 1]
+        (training: the whole sequence at once, from the current causal state)."""
+        x = self.conv_in(latents.to(self.conv_in.conv.weight.dtype))
         for convs, (t2, s2) in zip(self.convs, self.ups):
             x = F.interpolate(x, scale_factor=(2 if t2 else 1, 2 if s2 else 1, 2 if s2 else 1),
                               mode="nearest")
             for conv in convs:
                 x = F.silu(conv(x))
         x = self.conv_out(x)
-        return (torch.tanh(x[0].transpose(0, 1).float()) + 1) / 2
+        return (torch.tanh(x.float()) + 1) / 2
 
 
 class ImageEncoder(torch.nn.Module):
@@ -90,3 +96,29 @@ class ImageEncoder(torch.nn.Module):
         for conv in self.downs:
             x = F.silu(conv(x))
         return self.conv_out(x)[0].float()
+
+
+class VideoEncoder(torch.nn.Module):
+    """frames_per_latent frames [B, 3, F, H, W] in [0, 1] -> one latent [B, C, h, w] each F:
+    the frames stacked on channels, then strided 2-D convs. Used to make training latents."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        ch = spec.side.decoder_channels[::-1]
+        ns = spec.vae_stride.bit_length() - 1
+        self.n = spec.frames_per_latent
+        self.conv_in = torch.nn.Conv2d(3 * self.n, ch[0], 3, padding=1)
+        self.downs = torch.nn.ModuleList(
+            torch.nn.Conv2d(ch[i], ch[i + 1], 3, stride=2 if i < ns else 1, padding=1)
+            for i in range(len(ch) - 1))
+        self.conv_out = torch.nn.Conv2d(ch[-1], spec.latent_channels, 3, padding=1)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        B, _, T, H, W = frames.shape
+        x = frames.reshape(B, 3, T // self.n, self.n, H, W).permute(0, 2, 1, 3, 4, 5)
+        x = x.reshape(B * (T // self.n), 3 * self.n, H, W) * 2 - 1
+        x = self.conv_in(x)
+        for conv in self.downs:
+            x = F.silu(conv(x))
+        z = self.conv_out(x)
+        return z.reshape(B, T // self.n, *z.shape[1:]).transpose(1, 2)  # [B, C, F, h, w]

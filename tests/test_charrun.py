@@ -146,3 +146,18 @@ def test_charrun_runs_a_tp2_engine_as_processes(tmp_path):
     assert r.returncode == 0, r.stderr
     frames, rate, audio_s, _ = probe(tmp_path / "o.mp4")
     assert frames == 96 and rate == 24 and abs(audio_s - frames / 24) <= 1 / 24
+
+
+def test_streaming_decoder_equals_decoding_the_sequence():
+    from charengine.decoder import Decoder
+
+    spec = PRESETS["tiny"]
+    torch.manual_seed(0)
+    dec = Decoder(spec).eval()
+    lat = torch.randn(1, spec.latent_channels, 5, spec.latent_h, spec.latent_w)
+    with torch.no_grad():
+        whole = dec.forward_sequence(lat)[0]
+        dec.reset()
+        parts = torch.cat([dec(lat[0, :, i]).transpose(0, 1) for i in range(5)], dim=1)
+    assert whole.shape == (3, 20, 64, 64)
+    assert torch.allclose(whole, parts, atol=1e-5)
