@@ -158,11 +158,15 @@ class CharacterDiT(torch.nn.Module):
             return self.final_table[p]
         return self.dense(F.silu(cond.c[p]), "final_adaln").reshape(2, self.spec.dim)
 
+    def timestep_conditioning(self) -> torch.Tensor | None:
+        """c [passes, d] for the plain AdaLN path (None when the tables are baked)."""
+        if self.cfg.switches.baked_adaln:
+            return None
+        return conditioning_vector(self.w, self.sigmas, self.spec.time_freq_dim).to(self.dtype)
+
     def conditioning(self, audio_features: torch.Tensor, cache: KVCache) -> StepConditioning:
         cos, sin = cos_sin(self.rope.frame_angles(cache.temporal_index()))
-        c = None
-        if not self.cfg.switches.baked_adaln:
-            c = conditioning_vector(self.w, self.sigmas, self.spec.time_freq_dim).to(self.dtype)
+        c = self.timestep_conditioning()
         key = None if self.cfg.switches.rope_at_write else cache.key_cos_sin(self.rope)
         return StepConditioning(self.dense(audio_features, "audio_proj"), cos, sin, c, key)
 
@@ -239,10 +243,7 @@ class CharacterDiT(torch.nn.Module):
         slots of caches (block, pass)."""
         cos, sin = cos_sin(self.rope.global_angles())
         h0 = torch.cat([self.dense(ref_tokens, "patch_embed"), self.dense(prompt, "text_proj")])
-        c = None
-        if not self.cfg.switches.baked_adaln:
-            c = conditioning_vector(self.w, self.sigmas, self.spec.time_freq_dim).to(self.dtype)
-        cond = StepConditioning(None, cos, sin, c, None)
+        cond = StepConditioning(None, cos, sin, self.timestep_conditioning(), None)
         for p in range(self.cfg.schedule.passes):
             h = h0
             for b in range(self.spec.n_blocks):

@@ -38,7 +38,8 @@ class RankFailure(RuntimeError):
     pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on loopback for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -122,7 +123,7 @@ class DistributedWorker:
     # ---- the group ------------------------------------------------------------------
     def _launch(self) -> None:
         world = self.cfg.tp + 1
-        port = _free_port()
+        port = free_port()
         self.ctx = mp.start_processes(
             _tp_rank_main, args=(world, port, str(self.engine.path), self.timeout_s, self.log_dir),
             nprocs=self.cfg.tp, join=False, start_method="spawn")

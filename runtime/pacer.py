@@ -73,7 +73,7 @@ class Pacer:
             self.epoch += 1
             self.queue.clear()
             now = self.clock()
-            self.playout.next_slot = now  # dropped frames give back their slots
+            self.playout.restart_at(now)
             self.cv.notify_all()
             return now
 

@@ -26,6 +26,10 @@ class Playout:
     def step_s(self) -> float:
         return self.frames_per_step / self.fps
 
+    def restart_at(self, t: float) -> None:
+        """Frames dropped (a barge-in) give back their slots: the next step may start at t."""
+        self.next_slot = t
+
     def start(self, ready: float) -> float:
         """A step that is ready at `ready` starts playing at the returned time."""
         if self.next_slot is None:

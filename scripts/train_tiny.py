@@ -29,10 +29,6 @@ def clip_frames(n: int, seconds: float, seed: int, size: int) -> torch.Tensor:
     return torch.from_numpy(np.stack([c.frames for c in clips])).permute(0, 4, 1, 2, 3).float() / 255
 
 
-def reset(decoder: Decoder) -> None:
-    decoder.reset()
-
-
 def train_vae(args) -> dict:
     spec = PRESETS["tiny"]
     torch.manual_seed(args.seed)
@@ -48,7 +44,7 @@ def train_vae(args) -> dict:
         idx = torch.randint(0, data.shape[0], (args.batch,), generator=g)
         start = int(torch.randint(0, data.shape[2] // n4 - args.seq_latents + 1, (1,), generator=g)) * n4
         x = data[idx, :, start: start + seq]
-        reset(dec)
+        dec.reset()
         z = enc(x)
         y = dec.forward_sequence(z)
         loss = ((y - x) ** 2).mean() + args.latent_l2 * (z ** 2).mean()
@@ -83,7 +79,7 @@ def train_vae(args) -> dict:
     with torch.no_grad():
         scores = []
         for c in held:
-            reset(dec)
+            dec.reset()
             y = dec.forward_sequence(enc(c[None]))[0]
             a = (c.permute(1, 2, 3, 0) * 255).round().byte().numpy()
             b = (y.permute(1, 2, 3, 0) * 255).round().byte().numpy()

@@ -1,23 +1,16 @@
 """Tensor parallelism as real processes over gloo: TP-N equals TP-1, including uneven splits
 (tiny-10h: 10 heads over 3 and 7 ranks)."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from charengine.config import Switches, preset
+from charengine.runtime.distributed import free_port
 from rollout import FP32, rel_err, rollout
 
 STEPS = 45  # one reset (step 42) and several ring wraps
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, tp, port, cfg, out_path):
@@ -38,7 +31,7 @@ def _worker(rank, tp, port, cfg, out_path):
 
 def run_tp(tp, cfg, tmp_path):
     out = tmp_path / f"tp{tp}.pt"
-    mp.start_processes(_worker, args=(tp, _free_port(), cfg, str(out)),
+    mp.start_processes(_worker, args=(tp, free_port(), cfg, str(out)),
                        nprocs=tp, start_method="spawn")
     return torch.load(out)
 
