@@ -42,7 +42,13 @@ class KVCache(torch.nn.Module):
         if self.fp8_kv:
             self.register_buffer("k8", torch.zeros(shape, dtype=fp8.FP8, device=device),
                                  persistent=False)
-            self.register_buffer("v8", torch.zeros(shape, dtype=fp8.FP8, device=device),
+            # With the FP8 attention kernel, values are stored [heads, head_dim, slots] (slots
+            # padded to 16 bytes for TMA), so P V is an FP8 dot with V K-major; `v8` is
+            # always the [bp, heads, slots, head_dim] view.
+            self.v_transposed = cfg.switches.fp8_attention_kernel
+            vshape = (self.bp, heads, spec.head_dim, self.S + (-self.S % 16)) \
+                if self.v_transposed else shape
+            self.register_buffer("v8_store", torch.zeros(vshape, dtype=fp8.FP8, device=device),
                                  persistent=False)
             self.register_buffer("scale", torch.ones(self.bp, 2, heads, 1, 1, device=device),
                                  persistent=False)
@@ -53,6 +59,16 @@ class KVCache(torch.nn.Module):
                              persistent=False)
         # Host-side phase, changed once per session between steps (never read from the device).
         self.quantized = False
+        from .plugins import delta_rotation
+        self.rotate_fp8 = delta_rotation.select(torch.device(device)) \
+            if cfg.switches.fused_delta_rotation and self.fp8_kv else delta_rotation.reference
+
+    @property
+    def v8(self) -> torch.Tensor:
+        """FP8 values [bp, heads, slots, head_dim], whatever the storage order."""
+        if self.v_transposed:
+            return self.v8_store[..., : self.S].transpose(-1, -2)
+        return self.v8_store
 
     # ---- positions, all derived on the device from the AR step counter --------------------
     def write_frame(self) -> torch.Tensor:
@@ -84,7 +100,7 @@ class KVCache(torch.nn.Module):
         self.step.zero_()
         if self.fp8_kv:
             self.k8.zero_()
-            self.v8.zero_()
+            self.v8_store.zero_()
             self.scale.fill_(1.0)
         self.quantized = False
 
@@ -112,17 +128,16 @@ class KVCache(torch.nn.Module):
     def delta_rotate(self, rope: RopeTables) -> None:
         """At a reset, before any block reads: rotate every cached window key's temporal pairs
         by omega_j * delta, in fp32. FP8: dequantize with the head's scale, rotate, clamp,
-        requantize with the same scale. Values and global keys are untouched. One cache at a
-        time (a fused kernel does all of them in one pass)."""
+        requantize with the same scale (plugins/delta_rotation.py: one kernel for every cache
+        with fused_delta_rotation). Values and global keys are untouched. The unquantized
+        cache goes one cache at a time, so fp32 temporaries stay one cache's size."""
         G, delta = self.G, float(self.cfg.cache.delta)
+        if self.quantized:
+            self.rotate_fp8(self.k8, self.scale[:, 0], G, rope.omega_t, delta)
+            return
         for bp in range(self.bp):
-            if self.quantized:
-                s = self.scale[bp, 0]
-                win = fp8.dequantize(self.k8[bp, :, G:], s)
-                self.k8[bp, :, G:] = fp8.quantize(rotate_temporal_f32(win, rope.omega_t, delta), s)
-            else:
-                win = self.k[bp, :, G:].float()
-                self.k[bp, :, G:] = rotate_temporal_f32(win, rope.omega_t, delta).to(self.k.dtype)
+            win = self.k[bp, :, G:].float()
+            self.k[bp, :, G:] = rotate_temporal_f32(win, rope.omega_t, delta).to(self.k.dtype)
 
     # ---- writes and reads ------------------------------------------------------------------
     def write_global(self, bp: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -38,10 +38,11 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
     return (out * a_scale * w_scale[None, :]).to(out_dtype)
 
 
-def quant_dequant_per_head(x: torch.Tensor) -> torch.Tensor:
-    """x [H, N, D] through FP8 with one scale per head (the queries' per-call quantization)."""
-    scale = x.float().abs().amax(dim=(-2, -1), keepdim=True).clamp_min(_TINY) / FP8_MAX
-    return dequantize(quantize(x, scale), scale, x.dtype)
+def quant_dequant_rows(x: torch.Tensor) -> torch.Tensor:
+    """x through FP8 with one scale per row (the queries' quantization for FP8 attention: one
+    scale per head and token)."""
+    q, scale = quantize_rows(x)
+    return dequantize(q, scale, x.dtype)
 
 
 def quant_dequant_per_tensor(x: torch.Tensor) -> torch.Tensor:

@@ -87,9 +87,10 @@ class CharacterDiT(torch.nn.Module):
     """One rank of the model. `state` is a rank state (weights.shard of a quantized state)."""
 
     def __init__(self, cfg: EngineConfig, rank: RankShape, state: dict[str, torch.Tensor],
-                 all_reduce: AllReduce = identity, adaln_tables=None, device="cpu"):
+                 all_reduce: AllReduce = identity, adaln_tables=None, device="cpu",
+                 attention_tiles=None):
         super().__init__()
-        from .plugins import act_quant, gemm_allreduce, pre_attention
+        from .plugins import act_quant, attention, gemm_allreduce, pre_attention
 
         spec = self.spec = cfg.model
         self.cfg, self.rank = cfg, rank
@@ -109,12 +110,12 @@ class CharacterDiT(torch.nn.Module):
             self.register_buffer("final_table", final.to(device, self.dtype), persistent=False)
         self.register_buffer("sigmas", torch.tensor(cfg.schedule.sigmas, device=device),
                              persistent=False)
-        self.pre_attention = pre_attention.select(torch.device(device)) \
-            if sw.fused_pre_attention else None
-        self.gemm_allreduce = gemm_allreduce.select(torch.device(device)) \
-            if sw.fused_gemm_allreduce else None
-        self.quantize_rows = act_quant.select(torch.device(device)) \
-            if sw.fused_act_quant else fp8.quantize_rows
+        dev = torch.device(device)
+        self.pre_attention = pre_attention.select(dev) if sw.fused_pre_attention else None
+        self.gemm_allreduce = gemm_allreduce.select(dev) if sw.fused_gemm_allreduce else None
+        self.act = act_quant.select(dev) if sw.fused_act_quant else act_quant.plain()
+        self.fp8_attention = attention.select(dev, spec.head_dim, attention_tiles) \
+            if sw.fp8_attention_kernel and sw.fp8_kv else None
         self.annotate = False  # label regions for torch.profiler (benchmarks set it)
 
     def scope(self, name: str):
@@ -127,21 +128,30 @@ class CharacterDiT(torch.nn.Module):
 
     def fp8_linear(self, x: torch.Tensor, name: str, reduce: AllReduce | None = None):
         """A block linear: per-token FP8 activations times the FP8 weight (or, without
-        numerics.fp8_gemm, the dequantized weight); `reduce` all-reduces the output, fused
+        numerics.fp8_gemm, the dequantized weight); `reduce` all-reduces the output."""
+        if not self.cfg.numerics.fp8_gemm:
+            wq, ws = self.w[f"{name}.q"], self.w[f"{name}.scale"]
+            with self.scope("gemm"):
+                out = x.to(self.dtype) @ fp8.dequantize(wq, ws[:, None], self.dtype).t()
+            if reduce is not None:
+                with self.scope("all_reduce"):
+                    out = reduce(out)
+            return out
+        with self.scope("act_quant"):
+            aq, a_s = self.act.quantize_rows(x)
+        return self.fp8_gemm(aq, a_s, name, reduce)
+
+    def fp8_gemm(self, aq: torch.Tensor, a_s: torch.Tensor, name: str,
+                 reduce: AllReduce | None = None) -> torch.Tensor:
+        """Quantized activations [M, K] (scales [M, 1]) times the FP8 weight; `reduce` is fused
         into the GEMM where fused_gemm_allreduce is on."""
         nm = self.cfg.numerics
         wq, ws = self.w[f"{name}.q"], self.w[f"{name}.scale"]
-        if not nm.fp8_gemm:
-            with self.scope("gemm"):
-                out = x.to(self.dtype) @ fp8.dequantize(wq, ws[:, None], self.dtype).t()
-        else:
-            with self.scope("act_quant"):
-                aq, a_s = self.quantize_rows(x)
-            if reduce is not None and self.gemm_allreduce is not None:
-                with self.scope("fp8_gemm"):
-                    return self.gemm_allreduce(aq, a_s, wq, ws, self.dtype, nm.fast_accum, reduce)
+        if reduce is not None and self.gemm_allreduce is not None:
             with self.scope("fp8_gemm"):
-                out = fp8.scaled_mm(aq, a_s, wq, ws, self.dtype, nm.fast_accum)
+                return self.gemm_allreduce(aq, a_s, wq, ws, self.dtype, nm.fast_accum, reduce)
+        with self.scope("fp8_gemm"):
+            out = fp8.scaled_mm(aq, a_s, wq, ws, self.dtype, nm.fast_accum)
         if reduce is not None:
             with self.scope("all_reduce"):
                 out = reduce(out)
@@ -171,13 +181,20 @@ class CharacterDiT(torch.nn.Module):
         return StepConditioning(self.dense(audio_features, "audio_proj"), cos, sin, c, key)
 
     def qkv_mlp(self, b: int, h: torch.Tensor, mod: torch.Tensor):
+        """Norm, modulation and the input projection: q, k, v [H, T, D] (strided views of the
+        projection's output) and the SwiGLU gate and up [T, mlp]."""
         shift, scale, _ = mod
-        xm = F.layer_norm(h, (self.spec.dim,), eps=self.spec.norm_eps) * (1 + scale) + shift
-        y = self.fp8_linear(xm, f"blocks.{b}.w_in")
+        eps = self.spec.norm_eps
+        if self.cfg.numerics.fp8_gemm:
+            with self.scope("act_quant"):
+                aq, a_s = self.act.norm_modulate(h, shift, scale, eps)
+            y = self.fp8_gemm(aq, a_s, f"blocks.{b}.w_in")
+        else:
+            xm = F.layer_norm(h, (self.spec.dim,), eps=eps) * (1 + scale) + shift
+            y = self.fp8_linear(xm, f"blocks.{b}.w_in")
         T, H, D = h.shape[0], self.rank.heads, self.spec.head_dim
         q, k, v, g, u = y.split([self.A, self.A, self.A, self.rank.mlp, self.rank.mlp], dim=-1)
-        heads = [t.reshape(T, H, D).transpose(0, 1) for t in (q, k, v)]
-        return (*heads, F.silu(g) * u)
+        return (*(t.reshape(T, H, D).transpose(0, 1) for t in (q, k, v)), g, u)
 
     def norm_qk(self, b: int, q, k):
         eps = self.spec.norm_eps
@@ -187,29 +204,54 @@ class CharacterDiT(torch.nn.Module):
     def attend(self, q, k, v, mask) -> torch.Tensor:
         with self.scope("attention"):
             if self.cfg.numerics.fp8_attention:
-                q = fp8.quant_dequant_per_head(q) if self.cfg.switches.fp8_kv \
+                q = fp8.quant_dequant_rows(q) if self.cfg.switches.fp8_kv \
                     else fp8.quant_dequant_per_tensor(q)
             o = F.scaled_dot_product_attention(q[None], k[None], v[None],
                                                attn_mask=None if mask is None else mask[None, :])[0]
             return o.transpose(0, 1).reshape(q.shape[1], self.A)
 
-    def finish_block(self, b: int, h, attn, mlp, mod):
-        o = self.fp8_linear(torch.cat([attn, mlp], dim=-1), f"blocks.{b}.w_out", self.all_reduce)
+    def attend_fp8(self, bp: int, q8: torch.Tensor, q_scale: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor:
+        """The FP8 attention kernel over cache bp as it lies; queries quantized per (head,
+        token)."""
+        with self.scope("attention"):
+            return self.fp8_attention(q8, q_scale, cache.k8[bp], cache.v8[bp], cache.scale[bp, 0],
+                                      cache.scale[bp, 1], self.dtype)
+
+    def finish_block(self, b: int, h, attn, gate, up, mod):
+        """SwiGLU, the output projection (all-reduced) and the gated residual."""
+        name = f"blocks.{b}.w_out"
+        if self.cfg.numerics.fp8_gemm:
+            with self.scope("act_quant"):
+                aq, a_s = self.act.swiglu(attn, gate, up)
+            o = self.fp8_gemm(aq, a_s, name, self.all_reduce)
+        else:
+            o = self.fp8_linear(torch.cat([attn, F.silu(gate) * up], dim=-1), name,
+                                self.all_reduce)
+        if self.cfg.switches.fused_act_quant:
+            return torch.addcmul(h, mod[2], o)
         return h + mod[2] * o
 
     # ---- forwards -----------------------------------------------------------------------
     def frame_block(self, b: int, p: int, h, cond: StepConditioning, cache: KVCache, mask):
         bp = b * self.cfg.schedule.passes + p
         mod = self.modulation(b, p, cond)
-        q, k, v, mlp = self.qkv_mlp(b, h, mod)
+        q, k, v, g, u = self.qkv_mlp(b, h, mod)
+        fp8_attention = self.fp8_attention is not None and cache.quantized and mask is None
         with self.scope("pre_attention"):
-            q = self.pre_attention_write(b, bp, q, k, v, cond, cache)
-        with self.scope("cache_upkeep"):
-            kc, vc = cache.read(bp, cond.key_cos_sin)
-        return self.finish_block(b, h, self.attend(q, kc, vc, mask), mlp, mod)
+            q = self.pre_attention_write(b, bp, q, k, v, cond, cache, fp8_attention)
+        if fp8_attention:
+            o = self.attend_fp8(bp, *q, cache)
+        else:
+            with self.scope("cache_upkeep"):
+                kc, vc = cache.read(bp, cond.key_cos_sin)
+            o = self.attend(q, kc, vc, mask)
+        return self.finish_block(b, h, o, g, u, mod)
 
-    def pre_attention_write(self, b: int, bp: int, q, k, v, cond: StepConditioning, cache: KVCache):
-        """QK norm, RoPE, K/V quantization and the cache write; returns the queries."""
+    def pre_attention_write(self, b: int, bp: int, q, k, v, cond: StepConditioning,
+                            cache: KVCache, quantize_q: bool = False):
+        """QK norm, RoPE, K/V quantization and the cache write; returns the queries (with
+        quantize_q, as (q8, scale) per head and token for the FP8 attention kernel)."""
         if self.pre_attention is not None:
             return self.pre_attention(
                 q, k, v, self.w[f"blocks.{b}.q_norm"], self.w[f"blocks.{b}.k_norm"],
@@ -217,12 +259,16 @@ class CharacterDiT(torch.nn.Module):
                 cache.k8[bp] if cache.quantized else cache.k[bp],
                 cache.v8[bp] if cache.quantized else cache.v[bp],
                 cache.scale[bp, 0] if cache.quantized else None,
-                cache.scale[bp, 1] if cache.quantized else None, cache.frame_index())
+                cache.scale[bp, 1] if cache.quantized else None, cache.frame_index(),
+                quantize_q=quantize_q)
         q, k = self.norm_qk(b, q, k)
         q = rotate(q, cond.cos, cond.sin)
         if self.cfg.switches.rope_at_write:
             k = rotate(k, cond.cos, cond.sin)
         cache.write(bp, k, v)
+        if quantize_q:
+            q8, qs = self.act.quantize_rows(q.reshape(-1, q.shape[-1]))
+            return q8.view(q.shape), qs.view(*q.shape[:2], 1)
         return q
 
     def forward_frame(self, x: torch.Tensor, p: int, cond: StepConditioning, cache: KVCache,
@@ -248,10 +294,11 @@ class CharacterDiT(torch.nn.Module):
             h = h0
             for b in range(self.spec.n_blocks):
                 mod = self.modulation(b, p, cond)
-                q, k, v, mlp = self.qkv_mlp(b, h, mod)
+                q, k, v, g, u = self.qkv_mlp(b, h, mod)
                 q, k = self.norm_qk(b, q, k)
                 q, kr = rotate(q, cos, sin), rotate(k, cos, sin)
                 cache.write_global(b * self.cfg.schedule.passes + p,
                                    kr if self.cfg.switches.rope_at_write else k, v)
                 o = F.scaled_dot_product_attention(q[None], kr[None], v[None])[0]
-                h = self.finish_block(b, h, o.transpose(0, 1).reshape(h.shape[0], self.A), mlp, mod)
+                h = self.finish_block(b, h, o.transpose(0, 1).reshape(h.shape[0], self.A), g, u,
+                                      mod)

@@ -1,38 +1,36 @@
-"""Per-token FP8 activation quantization in one kernel: each program reads its row twice
-(amax, then scale and quantize), writing the e4m3 row and its fp32 scale. The reference is
-charengine.fp8.quantize_rows (scale = amax / 448, saturate, round to nearest even)."""
+"""Per-token FP8 activation quantization, alone and fused with what comes before each block
+linear: layer norm and AdaLN modulation before the input projection, SwiGLU (and the
+concatenation with the attention output) before the output projection. Each program owns
+one row (token), so the per-token scale (amax / 448) needs no second kernel. The kernels
+round where the references round (to the compute dtype after each torch op), so they differ
+only where fp32 evaluation order or fused multiply-adds move a compute-dtype rounding.
+
+References: charengine.fp8.quantize_rows (scale = amax / 448, saturate, round to nearest
+even), `norm_modulate_reference`, `swiglu_reference`.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from charengine import fp8
 
 reference = fp8.quantize_rows
 
 
-def _kernel():
-    import triton
-    import triton.language as tl
+def norm_modulate_reference(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """LN(h) * (1 + scale) + shift, quantized per token. h [T, d]; shift, scale [d]."""
+    xm = F.layer_norm(h, (h.shape[-1],), eps=eps) * (1 + scale) + shift
+    return fp8.quantize_rows(xm)
 
-    @triton.jit
-    def act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        x_row = x_ptr + row * stride_x
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in range(0, K, BLOCK):
-            offs = k + tl.arange(0, BLOCK)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
-        tl.store(s_ptr + row, scale)
-        for k in range(0, K, BLOCK):
-            offs = k + tl.arange(0, BLOCK)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            y = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
-            tl.store(q_ptr + row * stride_q + offs, y.to(tl.float8e4nv), mask=offs < K)
 
-    return act_quant_kernel
+def swiglu_reference(attn: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """[attn, silu(gate) * up], quantized per token. attn [T, A]; gate, up [T, M]."""
+    return fp8.quantize_rows(torch.cat([attn, F.silu(gate) * up], dim=-1))
 
 
 def triton_act_quant(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,10 +40,65 @@ def triton_act_quant(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, 
     M, K = x.shape
     q = torch.empty((M, K), dtype=fp8.FP8, device=x.device)
     s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
-    _kernel()[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK=block)
+    from .kernels.act_quant import act_quant_kernel
+
+    act_quant_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK=block)
     return q, s
 
 
-def select(device: torch.device):
-    """The Triton kernel on CUDA, else the reference."""
-    return triton_act_quant if device.type == "cuda" else reference
+def triton_norm_modulate_quant(h, shift, scale, eps, warps: int | None = None):
+    """The kernel; arguments and result as `norm_modulate_reference`. One program per token
+    holds its whole row in registers."""
+    import triton
+
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    T, d = h.shape
+    q = torch.empty((T, d), dtype=fp8.FP8, device=h.device)
+    s = torch.empty((T, 1), dtype=torch.float32, device=h.device)
+    block = triton.next_power_of_2(d)
+    from .kernels.act_quant import norm_modulate_quant_kernel
+
+    norm_modulate_quant_kernel[(T,)](h, shift.contiguous(), scale.contiguous(), q, s, d, eps,
+                                     h.stride(0), q.stride(0), BLOCK=block,
+                                     num_warps=warps or max(1, min(16, block // 512)))
+    return q, s
+
+
+def triton_swiglu_quant(attn, gate, up, warps: int = 8, chunk: int = 2048):
+    """The kernel; arguments and result as `swiglu_reference` (gate and up may be strided
+    views, as the input projection's output split). One program per token walks its row in
+    chunks (tile sizes: scripts/bench_kernels.py)."""
+    T, A = attn.shape
+    M = gate.shape[1]
+    for name, t in (("attn", attn), ("gate", gate), ("up", up)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs contiguous rows")
+    q = torch.empty((T, A + M), dtype=fp8.FP8, device=attn.device)
+    s = torch.empty((T, 1), dtype=torch.float32, device=attn.device)
+    from .kernels.act_quant import swiglu_quant_kernel
+
+    swiglu_quant_kernel[(T,)](attn, gate, up, q, s, A, M, attn.stride(0), gate.stride(0),
+                              up.stride(0), q.stride(0), BLOCK=chunk, num_warps=warps)
+    return q, s
+
+
+@dataclass(frozen=True)
+class ActQuantOps:
+    """The three quantizations a block runs, as kernels or references."""
+
+    quantize_rows: object
+    norm_modulate: object
+    swiglu: object
+
+
+def select(device: torch.device) -> ActQuantOps:
+    """The Triton kernels on CUDA, else the references."""
+    if device.type == "cuda":
+        return ActQuantOps(triton_act_quant, triton_norm_modulate_quant, triton_swiglu_quant)
+    return ActQuantOps(reference, norm_modulate_reference, swiglu_reference)
+
+
+def plain() -> ActQuantOps:
+    """The references, used where fused_act_quant is off."""
+    return ActQuantOps(reference, norm_modulate_reference, swiglu_reference)

@@ -25,6 +25,7 @@ from charengine.config import EngineConfig, RankShape, Switches, preset
 from charengine.engine_format import this_machine
 from charengine.graphs import GraphedStep
 from charengine.model import CharacterDiT, bake_adaln
+from charengine.plugins.attention import AttentionTiles
 from charengine.step import Session, ar_step
 from charengine.weights import random_rank_state
 
@@ -73,8 +74,9 @@ def elapsed_ms(device, pair) -> float:
 
 def floors(model: CharacterDiT, cache: KVCache, device, reps: int = 5) -> dict:
     """The step's FP8 GEMMs alone (its own weights, pre-quantized activations, the same
-    kernels) and its attention alone (same backend, caches of the step's shape, rotated past
-    L2), each captured as one CUDA graph of a step's calls."""
+    kernels) and its attention alone (the same kernel, FP8 or the bf16 SDPA backend, over
+    caches of the step's shape rotated past L2), each captured as one CUDA graph of a step's
+    calls."""
     from charengine import fp8
 
     spec, cfg = model.spec, model.cfg
@@ -83,7 +85,13 @@ def floors(model: CharacterDiT, cache: KVCache, device, reps: int = 5) -> dict:
     a_in = fp8.quantize_rows(torch.randn(T, spec.dim, device=device, generator=g))
     a_out = fp8.quantize_rows(torch.randn(T, model.A + model.rank.mlp, device=device, generator=g))
     q = torch.randn(model.rank.heads, T, spec.head_dim, device=device, generator=g).to(model.dtype)
-    kv = [(cache.k[i], cache.v[i]) for i in range(min(8, cache.bp))]
+    fp8_attention = model.fp8_attention is not None and cache.fp8_kv
+    n = min(8, cache.bp)
+    if fp8_attention:  # the step's kernel over FP8 caches of the step's shape
+        q8, qs = fp8.quantize_rows(q)
+        kv = [(cache.k8[i], cache.v8[i], cache.scale[i, 0], cache.scale[i, 1]) for i in range(n)]
+    else:
+        kv = [(cache.k[i], cache.v[i]) for i in range(n)]
     fast = cfg.numerics.fast_accum
 
     def gemms():
@@ -95,8 +103,11 @@ def floors(model: CharacterDiT, cache: KVCache, device, reps: int = 5) -> dict:
 
     def attention():
         for i in range(cfg.schedule.passes * spec.n_blocks):
-            k, v = kv[i % len(kv)]
-            torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])
+            if fp8_attention:
+                model.fp8_attention(q8, qs, *kv[i % n], model.dtype)
+            else:
+                k, v = kv[i % n]
+                torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])
 
     out = {}
     for name, fn in (("fp8_gemm", gemms), ("attention", attention)):
@@ -116,6 +127,51 @@ def floors(model: CharacterDiT, cache: KVCache, device, reps: int = 5) -> dict:
     return out
 
 
+def attribute(prof, device) -> dict:
+    """Device time (us) per component. On the GPU each kernel goes to the innermost labelled
+    range around the host call that launched it (matched by correlation id), so kernels
+    launched outside aten (Triton) count too, and the gaps between kernels do not. On the
+    CPU, each op's self time goes to the innermost label around it."""
+    import bisect
+
+    per = {c: 0.0 for c in COMPONENTS + ("other",)}
+    if device.type != "cuda":
+        for ev in prof.events():
+            if ev.name in COMPONENTS or not ev.self_cpu_time_total:
+                continue
+            label, p = "other", ev.cpu_parent
+            while p is not None and label == "other":
+                label = p.name if p.name in COMPONENTS else label
+                p = p.cpu_parent
+            per[label] += ev.self_cpu_time_total
+        return per
+    from torch.autograd import DeviceType
+
+    events = prof.profiler.kineto_results.events()
+    on_gpu = [e for e in events if e.device_type() == DeviceType.CUDA]
+    on_cpu = [e for e in events if e.device_type() == DeviceType.CPU]
+    ranges = sorted((e.start_ns(), e.end_ns(), e.name()) for e in on_cpu if e.name() in COMPONENTS)
+    if not ranges:
+        raise RuntimeError("no labelled ranges in the profiler trace")
+    starts = [r[0] for r in ranges]
+    # Launch calls (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...) share their
+    # kernel's correlation id; CPU ops carry ids of another space, so only launches count.
+    launch = {e.correlation_id(): e.start_ns() for e in on_cpu
+              if e.name().startswith("cu") and e.name() not in COMPONENTS}
+    for e in on_gpu:
+        if e.name() in COMPONENTS:  # the labels' own GPU-side spans
+            continue
+        t = launch.get(e.correlation_id())
+        label = "other"
+        if t is not None:
+            i = bisect.bisect_right(starts, t)
+            inside = [r for r in ranges[max(0, i - 4):i] if r[0] <= t <= r[1]]
+            if inside:
+                label = min(inside, key=lambda r: r[1] - r[0])[2]
+        per[label] += e.duration_ns() / 1e3
+    return per
+
+
 def profile_components(session: Session, steps: int, inputs, device) -> dict:
     """Eager steps under torch.profiler with the model's regions labelled; device time per
     step for each component, the rest as "other"."""
@@ -133,23 +189,7 @@ def profile_components(session: Session, steps: int, inputs, device) -> dict:
             torch.cuda.synchronize()
     session.step_fn = saved
     model.annotate = False
-    # Each kernel's time goes to the innermost labelled region around the op that launched it
-    # (user-annotation ranges on the GPU timeline would also count the gaps between kernels).
-    per = {c: 0.0 for c in COMPONENTS + ("other",)}
-    for ev in prof.events():
-        if device.type == "cuda":
-            t = sum(k.duration for k in ev.kernels)
-        else:
-            t = ev.self_cpu_time_total if ev.name not in COMPONENTS else 0.0
-        if not t:
-            continue
-        label, p = "other", ev
-        while p is not None:
-            if p.name in COMPONENTS:
-                label = p.name
-                break
-            p = p.cpu_parent
-        per[label] += t
+    per = attribute(prof, device)
     comps = {k: v / 1e3 / steps for k, v in per.items() if v}
     comps["total"] = sum(v for v in comps.values())
     return comps
@@ -167,6 +207,9 @@ def main():
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--no-graphs", action="store_true", help="eager steps (no CUDA graphs)")
     ap.add_argument("--fast-accum", action="store_true")
+    ap.add_argument("--attention-tiles", default=None,
+                    help="FP8 attention kernel tiles, e.g. 128,128,8,3,bf16,tma")
+    ap.add_argument("--tag", default="", help="suffix of the result file's arm name")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--gpu-tag", default="h200")
     ap.add_argument("--run", type=int, default=1)
@@ -186,7 +229,9 @@ def main():
                                            keep_adaln_weights=not cfg.switches.baked_adaln)
         tables = bake_adaln(cfg, adaln_w)
         del adaln_w
-        model = CharacterDiT(cfg, shape, state, adaln_tables=tables, device=device)
+        tiles = AttentionTiles.parse(args.attention_tiles) if args.attention_tiles else None
+        model = CharacterDiT(cfg, shape, state, adaln_tables=tables, device=device,
+                             attention_tiles=tiles)
         del state
         cache = KVCache(cfg, shape.heads, device)
     graphed = device.type == "cuda" and not args.no_graphs
@@ -250,7 +295,8 @@ def main():
     frames = cfg.model.frames_per_latent
     result = {
         "preset": args.preset, "layout": f"tp{args.tp}-rank{args.rank}" if args.tp > 1 else "tp1",
-        "gpu": args.gpu_tag, "arm": args.arm, "run": args.run,
+        "gpu": args.gpu_tag, "arm": args.arm + args.tag, "run": args.run,
+        "attention_tiles": args.attention_tiles,
         "switches": cfg.switches.__dict__, "numerics": cfg.numerics.__dict__,
         "graphs": graphed, "steps": args.steps, "exclude": args.exclude,
         "diffusion_p50_ms": d50, "diffusion_p90_ms": pct(d_st, 90),
@@ -270,7 +316,7 @@ def main():
         "diffusion_ms": diffusion, "period_ms": period,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"bench_{args.preset}_{result['layout']}_{args.gpu_tag}_{args.arm}_{args.run}.json"
+    name = f"bench_{args.preset}_{result['layout']}_{args.gpu_tag}_{result['arm']}_{args.run}.json"
     (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
     keys = ("diffusion_p50_ms", "diffusion_p90_ms", "period_p50_ms", "period_p90_ms",
             "reset_step_ms", "capacity_fps", "sustained_fps", "tflops_per_gpu",

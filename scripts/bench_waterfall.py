@@ -17,10 +17,12 @@ import time
 from pathlib import Path
 
 ARMS = ["baseline", "baked_adaln", "rope_at_write", "ring_cache", "fp8_kv", "conditioning_cache",
-        "fused_act_quant"]
+        "fused_pre_attention", "fused_act_quant", "fp8_attention_kernel", "fused_delta_rotation"]
 LABELS = {"baseline": "Baseline", "baked_adaln": "+AdaLN", "rope_at_write": "+RoPE@write",
           "ring_cache": "+Ring cache", "fp8_kv": "+FP8 KV", "conditioning_cache": "+Cond. cache",
-          "fused_act_quant": "+Fused act. quant", "production": "Production (all on)"}
+          "fused_pre_attention": "+Fused pre-attn.", "fused_act_quant": "+Fused act. quant",
+          "fp8_attention_kernel": "+FP8 attention", "fused_delta_rotation": "+Fused delta rot.",
+          "production": "Production (all on)"}
 
 
 def plot(summary: dict, path: Path, title: str) -> None:

@@ -1,0 +1,117 @@
+"""FP8 attention over one (block, pass) cache, reading the ring as it lies: FP8 queries with a
+scale per (head, token), FP8 keys and values with a scale per head (the cache's), FP8
+tensor-core dots for Q K^T and for P V, fp32 online softmax, output [T, heads * head_dim] in
+the layout the output projection reads.
+
+Every slot is attended (the steady and reset steps run with the window full), so the kernel
+takes no mask. P is quantized to e4m3 after scaling by P_SCALE (p <= 1, so p * 256 keeps the
+small probabilities normal); the row sum uses the unquantized p.
+
+The grid is (query tiles, heads): at 20 heads x 757 queries, 64-row tiles give 240 programs
+over the H200's 132 SMs (128-row tiles would leave 12 idle). The tile sizes are an
+`AttentionTiles`, chosen per shape by scripts/bench_kernels.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from charengine import fp8
+
+P_SCALE = 256.0
+
+
+def reference(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+              k_scale: torch.Tensor, v_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """q8 [H, T, D] e4m3 with q_scale [H, T, 1]; k8, v8 [H, S, D] e4m3 with k_scale, v_scale
+    [H, 1, 1]: softmax(Q K^T / sqrt(D)) V over the dequantized tensors, [T, H * D]."""
+    q = fp8.dequantize(q8, q_scale, out_dtype)
+    k = fp8.dequantize(k8, k_scale, out_dtype)
+    v = fp8.dequantize(v8, v_scale, out_dtype)
+    o = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+    return o.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Tile sizes and variant; the default is the fastest measured on the H200 at the
+    characters-57b TP-3 rank slice (scripts/bench_kernels.py, docs/PERFORMANCE.md)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    warps: int = 4
+    stages: int = 3
+    p_fp8: bool = True  # P V as an FP8 dot (else P and V in bf16); fast with V stored [D, S]
+    tma: bool = True  # tiles through TMA descriptors (else pointer loads)
+
+    @classmethod
+    def parse(cls, text: str) -> "AttentionTiles":
+        """'128,128,8,3,bf16,tma' -> AttentionTiles (the last field optional)."""
+        f = text.split(",")
+        return cls(int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4] == "fp8",
+                   len(f) > 5 and f[5] == "tma")
+
+
+def triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
+                     tiles: AttentionTiles = AttentionTiles(), out=None) -> torch.Tensor:
+    """The kernel; arguments as `reference`. k8 and v8 may be any strided [H, S, D] views
+    (a V stored transposed, [H, D, S] in memory, is read as it lies). `out` [T, H * D], if
+    given, receives the result."""
+    H, T, D = q8.shape
+    S = k8.shape[1]
+    if q8.stride(-1) != 1 or k8.stride(-1) != 1:
+        raise ValueError("q8 and k8 need a contiguous head dimension")
+    if q_scale.shape != (H, T, 1) or not q_scale.is_contiguous():
+        raise ValueError(f"q_scale must be contiguous [H, T, 1] = [{H}, {T}, 1]")
+    if out is None:
+        out = torch.empty((T, H * D), dtype=out_dtype, device=q8.device)
+    grid = ((T + tiles.block_m - 1) // tiles.block_m, H)
+    if tiles.tma:
+        return _attention_tma(q8, q_scale, k8, v8, k_scale, v_scale, out, tiles, grid)
+    from .kernels.attention import attention_kernel
+
+    attention_kernel[grid](
+        q8, q_scale, k8, v8, k_scale.reshape(H).float(), v_scale.reshape(H).float(), out, T, S,
+        math.log2(math.e) / math.sqrt(D), q8.stride(0), q8.stride(1), k8.stride(0), k8.stride(1),
+        v8.stride(0), v8.stride(1), v8.stride(2), out.stride(0), D=D, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, P_FP8=tiles.p_fp8, P_SCALE=P_SCALE, num_warps=tiles.warps,
+        num_stages=tiles.stages)
+    return out
+
+
+def _attention_tma(q8, q_scale, k8, v8, k_scale, v_scale, out, tiles, grid):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .kernels.attention import attention_tma_kernel
+
+    H, T, D = q8.shape
+    S = k8.shape[1]
+    bm, bn = tiles.block_m, tiles.block_n
+    v_t = v8.stride(1) == 1  # [H, D, S] in memory
+    vd = v8.transpose(1, 2) if v_t else v8
+    attention_tma_kernel[grid](
+        TensorDescriptor(q8, list(q8.shape), list(q8.stride()), [1, bm, D]), q_scale,
+        TensorDescriptor(k8, list(k8.shape), list(k8.stride()), [1, bn, D]),
+        TensorDescriptor(vd, list(vd.shape), list(vd.stride()), [1, D, bn] if v_t else [1, bn, D]),
+        k_scale.reshape(H).float(), v_scale.reshape(H).float(), out, T, S,
+        math.log2(math.e) / math.sqrt(D), out.stride(0), D=D, BLOCK_M=bm, BLOCK_N=bn,
+        P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE, num_warps=tiles.warps,
+        num_stages=tiles.stages)
+    return out
+
+
+def supports(head_dim: int) -> bool:
+    """FP8 tensor-core dots take K in multiples of 32; a tile's head dim is a power of 2."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
+def select(device: torch.device, head_dim: int, tiles: AttentionTiles | None = None):
+    """The Triton kernel (with `tiles`, else the default) on CUDA for head dims it supports,
+    else the reference."""
+    if device.type != "cuda" or not supports(head_dim):
+        return reference
+    return functools.partial(triton_attention, tiles=tiles or AttentionTiles())

@@ -1,0 +1,1 @@
+"""Triton kernels of the plugins, one module per plugin; importing one needs Triton."""

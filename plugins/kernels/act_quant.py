@@ -1,0 +1,83 @@
+"""Triton kernels of plugins/act_quant.py (imported only where Triton and a GPU are)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, K, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    tl.store(s_ptr + row, scale)
+    for k in range(0, K, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        y = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + offs, y.to(tl.float8e4nv), mask=offs < K)
+
+
+@triton.jit
+def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, d, eps,
+                               stride_h, stride_q, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < d
+    dt = h_ptr.dtype.element_ty
+    x = tl.load(h_ptr + row * stride_h + offs, mask=m, other=0.0).to(tl.float32)
+    mean = tl.sum(x, 0) / d
+    xc = tl.where(m, x - mean, 0.0)
+    rstd = tl.math.rsqrt(tl.sum(xc * xc, 0) / d + eps)
+    xn = (xc * rstd).to(dt).to(tl.float32)
+    sc = tl.load(scale_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    one_plus = (1.0 + sc).to(dt).to(tl.float32)
+    xm = ((xn * one_plus).to(dt).to(tl.float32) + sh).to(dt).to(tl.float32)
+    xm = tl.where(m, xm, 0.0)
+    s = tl.maximum(tl.max(tl.abs(xm), 0), 1e-12) / 448.0
+    tl.store(s_ptr + row, s)
+    y = tl.clamp(tl.math.div_rn(xm, s), -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + offs, y.to(tl.float8e4nv), mask=m)
+
+@triton.jit
+def _swiglu(g_ptr, u_ptr, offs, m, dt):
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (silu * u).to(dt).to(tl.float32)
+
+@triton.jit
+def swiglu_quant_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, stride_g,
+                             stride_u, stride_q, BLOCK: tl.constexpr):
+    """One token's row [attn, silu(gate) * up] in chunks of BLOCK: an amax pass, then a
+    quantize pass (SwiGLU computed twice, its inputs read twice, the second time mostly from
+    L2; faster at the rank-slice width than holding the row in registers)."""
+    row = tl.program_id(0)
+    dt = a_ptr.dtype.element_ty
+    a_row, g_row, u_row = a_ptr + row * stride_a, g_ptr + row * stride_g, u_ptr + row * stride_u
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, A, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(a_row + offs, mask=offs < A, other=0.0)
+                                       .to(tl.float32)))
+    for k in range(0, M, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_swiglu(g_row, u_row, offs, offs < M, dt)))
+    s = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    tl.store(s_ptr + row, s)
+    q_row = q_ptr + row * stride_q
+    for k in range(0, A, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(a_row + offs, mask=offs < A, other=0.0).to(tl.float32)
+        y = tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0)
+        tl.store(q_row + offs, y.to(tl.float8e4nv), mask=offs < A)
+    for k in range(0, M, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        y = tl.clamp(tl.math.div_rn(_swiglu(g_row, u_row, offs, offs < M, dt), s),
+                     -448.0, 448.0)
+        tl.store(q_row + A + offs, y.to(tl.float8e4nv), mask=offs < M)

@@ -1,0 +1,119 @@
+"""Triton kernel of plugins/attention.py (imported only where Triton and a GPU are)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, row_scale, k_ptr, v_ptr, start, S, stride_ks, stride_vs,
+          stride_vd, offs_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+          P_FP8: tl.constexpr, P_SCALE: tl.constexpr):
+    offs_n = start + tl.arange(0, BLOCK_N)
+    k_ptrs = k_ptr + offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = v_ptr + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    if MASKED:
+        k = tl.load(k_ptrs, mask=offs_n[:, None] < S, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_n[:, None] < S, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(k)) * row_scale[:, None]
+    if MASKED:
+        s = tl.where(offs_n[None, :] < S, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if P_FP8:
+        acc = tl.dot((p * P_SCALE).to(tl.float8e4nv), v, acc)
+    else:
+        acc = tl.dot((p * P_SCALE).to(tl.bfloat16), v.to(tl.bfloat16), acc)
+    return acc, l_i, m_new
+
+@triton.jit
+def attention_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, T, S, sm_scale_log2,
+                     stride_qh, stride_qt, stride_kh, stride_ks, stride_vh, stride_vs,
+                     stride_vd, stride_ot, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, P_FP8: tl.constexpr, P_SCALE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=offs_m[:, None] < T, other=0.0)
+    qs = tl.load(qs_ptr + h * T + offs_m, mask=offs_m < T, other=0.0)
+    row_scale = qs * tl.load(ks_ptr + h) * sm_scale_log2
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    k_head = k_ptr + h * stride_kh
+    v_head = v_ptr + h * stride_vh
+    full = (S // BLOCK_N) * BLOCK_N
+    for start in range(0, full, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, row_scale, k_head, v_head, start, S,
+                              stride_ks, stride_vs, stride_vd, offs_d, BLOCK_N, False,
+                              P_FP8, P_SCALE)
+    if full < S:
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, row_scale, k_head, v_head, full, S,
+                              stride_ks, stride_vs, stride_vd, offs_d, BLOCK_N, True,
+                              P_FP8, P_SCALE)
+    out = acc * (tl.load(vs_ptr + h) / (l_i * P_SCALE))[:, None]
+    tl.store(o_ptr + offs_m[:, None] * stride_ot + h * D + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < T)
+
+
+@triton.jit
+def _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, start, S,
+              D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              P_FP8: tl.constexpr, V_T: tl.constexpr, P_SCALE: tl.constexpr):
+    k = k_desc.load([h, start, 0]).reshape(BLOCK_N, D)
+    s = tl.dot(q, tl.trans(k)) * row_scale[:, None]
+    if MASKED:
+        offs_n = start + tl.arange(0, BLOCK_N)
+        s = tl.where(offs_n[None, :] < S, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if V_T:
+        v = tl.trans(v_desc.load([h, 0, start]).reshape(D, BLOCK_N))
+    else:
+        v = v_desc.load([h, start, 0]).reshape(BLOCK_N, D)
+    if P_FP8:
+        acc = tl.dot((p * P_SCALE).to(tl.float8e4nv), v, acc)
+    else:
+        acc = tl.dot((p * P_SCALE).to(tl.bfloat16), v.to(tl.bfloat16), acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def attention_tma_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, T, S,
+                         sm_scale_log2, stride_ot, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, P_FP8: tl.constexpr, V_T: tl.constexpr,
+                         P_SCALE: tl.constexpr):
+    """As attention_kernel, with tiles brought in by the tensor memory accelerator through
+    3-D descriptors (out-of-bounds rows read as zero, then masked); V_T: the value store is
+    [H, D, S] in memory, so that P V is an FP8 dot with V K-major."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    off_m = pid_m * BLOCK_M
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([h, off_m, 0]).reshape(BLOCK_M, D)
+    qs = tl.load(qs_ptr + h * T + offs_m, mask=offs_m < T, other=0.0)
+    row_scale = qs * tl.load(ks_ptr + h) * sm_scale_log2
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    full = (S // BLOCK_N) * BLOCK_N
+    for start in range(0, full, BLOCK_N):
+        acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, start, S,
+                                  D, BLOCK_N, False, P_FP8, V_T, P_SCALE)
+    if full < S:
+        acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, full, S,
+                                  D, BLOCK_N, True, P_FP8, V_T, P_SCALE)
+    out = acc * (tl.load(vs_ptr + h) / (l_i * P_SCALE))[:, None]
+    offs_d = tl.arange(0, D)
+    tl.store(o_ptr + offs_m[:, None] * stride_ot + h * D + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < T)

@@ -1,0 +1,282 @@
+"""Microbenchmarks of the plugins' kernels against their references (and attention against
+cuDNN bf16, the GEMM against cuBLASLt) at a preset's TP rank-slice shapes, on one GPU.
+
+    python scripts/bench_kernels.py --preset characters-57b --tp 3
+
+Each candidate runs as one CUDA graph of `--calls` calls over distinct buffers (rotated past
+L2, as a step sees them), timed `--reps` times; the median per call is reported, with the
+error against the reference. Writes docs/results/kernels_<preset>_tp<N>_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from charengine import fp8
+from charengine.config import RankShape, preset
+from charengine.engine_format import this_machine
+from charengine.plugins import act_quant, attention, delta_rotation, fp8_gemm, pre_attention
+from charengine.rope import RopeTables
+
+
+def graph_time_us(fn, calls: int, reps: int) -> float:
+    """Median microseconds per call of fn(i), i = 0..calls-1, replayed as one CUDA graph."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def fp8_code_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """How far apart two e4m3 tensors are, in codes (adjacent values differ by one code)."""
+    d = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+    return {"max_codes": int(d.max()), "frac_differ": float((d > 0).float().mean())}
+
+
+def bench_attention(H, T, S, D, calls, reps, dev):
+    g = torch.Generator(device=dev).manual_seed(0)
+    n = 8  # distinct caches, 8 x 2 x H x S x D bytes: past L2
+    q = torch.randn(H, T, D, device=dev, generator=g).to(torch.bfloat16)
+    q8, qs = fp8.quantize_rows(q)
+    ks = torch.rand(H, 1, 1, device=dev, generator=g) * 0.01 + 0.005
+    vs = torch.rand(H, 1, 1, device=dev, generator=g) * 0.01 + 0.005
+    k8 = [fp8.quantize(torch.randn(H, S, D, device=dev, generator=g) * 2, 1.0) for _ in range(n)]
+    v8 = [fp8.quantize(torch.randn(H, S, D, device=dev, generator=g) * 2, 1.0) for _ in range(n)]
+    pad = -S % 16  # a [H, D, S] store needs 16-byte rows for TMA: slots padded to 16
+    vt = [torch.nn.functional.pad(v.transpose(1, 2), (0, pad)).contiguous()[..., :S].transpose(1, 2)
+          for v in v8]
+    flop = 4 * H * T * S * D
+    out = {}
+    ref = attention.reference(q8, qs, k8[0], v8[0], ks, vs, torch.bfloat16)
+    vmax = (v8[0].float().abs().amax() * vs.max()).item()
+    kb = [fp8.dequantize(k, ks, torch.bfloat16) for k in k8]
+    vb = [fp8.dequantize(v, vs, torch.bfloat16) for v in v8]
+    qb = fp8.dequantize(q8, qs, torch.bfloat16)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        us = graph_time_us(lambda i: F.scaled_dot_product_attention(
+            qb[None], kb[i % n][None], vb[i % n][None]), calls, reps)
+    out["cudnn_bf16"] = {"us": us, "tflops": flop / us / 1e6}
+    T_ = attention.AttentionTiles
+    candidates = [(T_(bm, bn, w, st, True, tma), "v_transposed")
+                  for bm, bn, w, st in ((64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 2),
+                                        (64, 256, 4, 3), (64, 256, 8, 3), (64, 128, 8, 3),
+                                        (128, 128, 8, 3), (64, 64, 4, 3))
+                  for tma in (True, False)]
+    candidates += [(T_(128, 64, 8, 3, False, False), "v_rows"),
+                   (T_(128, 128, 8, 3, False, True), "v_rows"),
+                   (T_(64, 128, 4, 3, True, False), "v_rows")]
+    for t, layout in candidates:
+        vv = vt if layout == "v_transposed" else v8
+        key = f"triton_m{t.block_m}_n{t.block_n}_w{t.warps}_s{t.stages}_" \
+              f"{'pfp8' if t.p_fp8 else 'pbf16'}_{layout}{'_tma' if t.tma else ''}"
+        try:
+            o = attention.triton_attention(q8, qs, k8[0], vv[0], ks, vs, torch.bfloat16, t)
+            us = graph_time_us(lambda i: attention.triton_attention(
+                q8, qs, k8[i % n], vv[i % n], ks, vs, torch.bfloat16, t), calls, reps)
+        except Exception as e:  # a tile that does not compile or fit is reported, not fatal
+            out[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            continue
+        out[key] = {"us": us, "tflops": flop / us / 1e6, "rel_err": rel(o, ref),
+                    "max_abs_err_over_vmax": ((o.float() - ref.float()).abs().max() / vmax).item()}
+    return out
+
+
+def bench_pre_attention(spec, shape, calls, reps, dev):
+    H, T, D = shape.heads, spec.tokens_per_frame, spec.head_dim
+    S = spec.global_tokens + 6 * T
+    g = torch.Generator(device=dev).manual_seed(1)
+    n = 8
+    ys = [torch.randn(T, 3 * H * D, device=dev, generator=g).to(torch.bfloat16) for _ in range(n)]
+    split = [[t.reshape(T, H, D).transpose(0, 1) for t in y.split(H * D, -1)] for y in ys]
+    qn = (torch.rand(D, device=dev, generator=g) + 0.5).to(torch.bfloat16)
+    kn = (torch.rand(D, device=dev, generator=g) + 0.5).to(torch.bfloat16)
+    rope = RopeTables(spec).to(dev)
+    cos, sin = torch.cos(rope.frame_angles(torch.tensor(20, device=dev))), \
+        torch.sin(rope.frame_angles(torch.tensor(20, device=dev)))
+    idx = spec.global_tokens + 3 * T + torch.arange(T, device=dev)
+    ks = torch.full((H, 1, 1), 0.02, device=dev)
+    vs = torch.full((H, 1, 1), 0.02, device=dev)
+    pad = -S % 16
+
+    def v_store():  # the production layout: [H, D, S] padded, seen as [H, S, D]
+        return torch.zeros(H, D, S + pad, dtype=fp8.FP8, device=dev)[..., :S].transpose(1, 2)
+
+    stores = [[torch.zeros(H, S, D, dtype=fp8.FP8, device=dev), v_store()] for _ in range(n)]
+    out = {"reference": {"us": graph_time_us(lambda i: pre_attention.reference(
+        *split[i % n], qn, kn, 1e-6, cos, sin, *stores[i % n], ks, vs, idx, quantize_q=True),
+        calls, reps)}}
+    for bt, w in ((16, 4), (32, 4), (32, 8), (64, 8), (16, 2)):
+        out[f"triton_t{bt}_w{w}"] = {"us": graph_time_us(
+            lambda i, bt=bt, w=w: pre_attention.triton_pre_attention(
+                *split[i % n], qn, kn, 1e-6, cos, sin, *stores[i % n], ks, vs, idx,
+                quantize_q=True, block_t=bt, warps=w), calls, reps)}
+    a = [torch.zeros(H, S, D, dtype=fp8.FP8, device=dev) for _ in range(4)]
+    qr = pre_attention.reference(*split[0], qn, kn, 1e-6, cos, sin, a[0], a[1], ks, vs, idx)
+    qt = pre_attention.triton_pre_attention(*split[0], qn, kn, 1e-6, cos, sin, a[2], a[3], ks, vs, idx)
+    out["parity_rows_store"] = ({"q_max_abs": (qr.float() - qt.float()).abs().max().item(),
+                          "k": fp8_code_diff(a[0], a[2]), "v": fp8_code_diff(a[1], a[3])})
+    return out
+
+
+def bench_act(spec, shape, calls, reps, dev):
+    T, d = spec.tokens_per_frame, spec.dim
+    A, M = shape.attn_width(spec), shape.mlp
+    g = torch.Generator(device=dev).manual_seed(2)
+    n = 8
+    hs = [torch.randn(T, d, device=dev, generator=g).to(torch.bfloat16) for _ in range(n)]
+    shift = (torch.randn(d, device=dev, generator=g) * 0.1).to(torch.bfloat16)
+    scale = (torch.randn(d, device=dev, generator=g) * 0.1).to(torch.bfloat16)
+    att = [torch.randn(T, A, device=dev, generator=g).to(torch.bfloat16) for _ in range(n)]
+    gu = [torch.randn(T, 2 * M, device=dev, generator=g).to(torch.bfloat16) for _ in range(n)]
+    out = {}
+    variants = [("norm_modulate_reference", lambda i: act_quant.norm_modulate_reference(
+                    hs[i % n], shift, scale, 1e-6)),
+                ("swiglu_reference", lambda i: act_quant.swiglu_reference(
+                    att[i % n], gu[i % n][:, :M], gu[i % n][:, M:]))]
+    for w in (None, 4, 8, 16):
+        variants.append((f"norm_modulate_triton_w{w}", lambda i, w=w: act_quant.triton_norm_modulate_quant(
+            hs[i % n], shift, scale, 1e-6, warps=w)))
+    for w, c in ((8, 2048), (4, 1024), (16, 2048), (8, 1024), (16, 4096)):
+        variants.append((f"swiglu_triton_w{w}_c{c}", lambda i, w=w, c=c: act_quant.triton_swiglu_quant(
+            att[i % n], gu[i % n][:, :M], gu[i % n][:, M:], warps=w, chunk=c)))
+    for name, fn in variants:
+        try:
+            out[name] = {"us": graph_time_us(fn, calls, reps)}
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    for kind, r, t in (
+            ("norm_modulate", act_quant.norm_modulate_reference(hs[0], shift, scale, 1e-6),
+             act_quant.triton_norm_modulate_quant(hs[0], shift, scale, 1e-6)),
+            ("swiglu", act_quant.swiglu_reference(att[0], gu[0][:, :M], gu[0][:, M:]),
+             act_quant.triton_swiglu_quant(att[0], gu[0][:, :M], gu[0][:, M:]))):
+        out[f"{kind}_parity"] = ({
+            "scale_max_rel": ((r[1] - t[1]).abs() / r[1]).max().item(),
+            "rows_same_scale": float((r[1] == t[1]).float().mean()),
+            **fp8_code_diff(r[0], t[0])})
+    return out
+
+
+def bench_delta(spec, cfg, shape, reps, dev):
+    H, T, D = shape.heads, spec.tokens_per_frame, spec.head_dim
+    G, W = spec.global_tokens, cfg.cache.window
+    C = spec.n_blocks * cfg.schedule.passes
+    g = torch.Generator(device=dev).manual_seed(3)
+    k8 = torch.empty(C, H, G + W * T, D, dtype=fp8.FP8, device=dev)
+    for c in range(C):
+        k8[c] = fp8.quantize(torch.randn(H, G + W * T, D, device=dev, generator=g) * 50, 1.0)
+    sc = torch.rand(C, H, 1, 1, device=dev, generator=g) * 0.01 + 0.005
+    rope = RopeTables(spec).to(dev)
+    delta = float(cfg.cache.delta)
+    out = {}
+    for name, fn in (("reference", delta_rotation.reference),
+                     ("triton", delta_rotation.triton_delta_rotation)):
+        out[name] = {"ms": graph_time_us(lambda i: fn(k8, sc, G, rope.omega_t, delta), 1, reps) / 1e3}
+    a, b = k8[:4].clone(), k8[:4].clone()
+    delta_rotation.reference(a, sc[:4], G, rope.omega_t, delta)
+    delta_rotation.triton_delta_rotation(b, sc[:4], G, rope.omega_t, delta)
+    out["triton"].update(fp8_code_diff(a, b))
+    return out
+
+
+def bench_gemm(spec, shape, calls, reps, dev):
+    T = spec.tokens_per_frame
+    g = torch.Generator(device=dev).manual_seed(4)
+    out = {}
+    for name, N, K in (("w_in", shape.in_proj_rows(spec), spec.dim),
+                       ("w_out", spec.dim, shape.out_proj_cols(spec))):
+        n = max(2, math.ceil(200e6 / (N * K)))  # weights past L2
+        a_q, a_s = fp8.quantize_rows(torch.randn(T, K, device=dev, generator=g))
+        ws = [fp8.quantize_rows(torch.randn(N, K, device=dev, generator=g)) for _ in range(n)]
+        ws = [(q, s[:, 0].contiguous()) for q, s in ws]
+        flop = 2 * T * N * K
+        ref = fp8.scaled_mm(a_q, a_s, *ws[0], torch.float32)
+        res = {}
+        for fast in (False, True):
+            us = graph_time_us(lambda i: fp8.scaled_mm(a_q, a_s, *ws[i % n], torch.bfloat16, fast),
+                               calls, reps)
+            o = fp8.scaled_mm(a_q, a_s, *ws[0], torch.bfloat16, fast)
+            res[f"scaled_mm{'_fast' if fast else ''}"] = {"us": us, "tflops": flop / us / 1e6,
+                                                          "rel_err": rel(o, ref)}
+        for bm, bn, bk, w, st in ((128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
+                                  (64, 128, 128, 4, 4), (128, 128, 64, 4, 5),
+                                  (64, 256, 128, 8, 4), (128, 64, 128, 4, 4)):
+            t = fp8_gemm.GemmTiles(bm, bn, bk, 8, w, st)
+            key = f"triton_m{bm}_n{bn}_k{bk}_w{w}_s{st}"
+            try:
+                o = fp8_gemm.triton_scaled_mm(a_q, a_s, *ws[0], torch.bfloat16, t)
+                us = graph_time_us(lambda i: fp8_gemm.triton_scaled_mm(
+                    a_q, a_s, *ws[i % n], torch.bfloat16, t), calls, reps)
+            except Exception as e:
+                res[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                continue
+            res[key] = {"us": us, "tflops": flop / us / 1e6, "rel_err": rel(o, ref)}
+        out[f"{name}_{T}x{N}x{K}"] = res
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="characters-57b")
+    ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--only", nargs="*", default=["attention", "pre_attention", "act", "delta",
+                                                  "gemm"])
+    ap.add_argument("--gpu-tag", default="h200")
+    ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    cfg = preset(args.preset, tp=args.tp)
+    spec, shape = cfg.model, RankShape.of(cfg.model, args.tp, 0)
+    S = spec.global_tokens + cfg.cache.window * spec.tokens_per_frame
+    result = {"preset": args.preset, "tp": args.tp, "machine": this_machine(),
+              "date": time.strftime("%Y-%m-%d"), "calls": args.calls, "reps": args.reps}
+    with torch.inference_mode():
+        parts = {
+            "attention": lambda: bench_attention(shape.heads, spec.tokens_per_frame, S,
+                                                 spec.head_dim, args.calls, args.reps, dev),
+            "pre_attention": lambda: bench_pre_attention(spec, shape, args.calls, args.reps, dev),
+            "act": lambda: bench_act(spec, shape, args.calls, args.reps, dev),
+            "delta": lambda: bench_delta(spec, cfg, shape, args.reps, dev),
+            "gemm": lambda: bench_gemm(spec, shape, args.calls, args.reps, dev),
+        }
+        for name in args.only:
+            t0 = time.perf_counter()
+            result[name] = parts[name]()
+            print(f"== {name} ({time.perf_counter() - t0:.0f} s)")
+            print(json.dumps(result[name], indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"kernels_{args.preset}_tp{args.tp}_{args.gpu_tag}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The plugins' Triton kernels against their references on the GPU: random inputs, odd sizes,
+outputs poisoned before the run. (Triton's CPU interpreter cannot stand in: its fp32 -> e4m3
+and -> bf16 conversions round differently from the hardware.)
+
+Bounds, and why:
+- FP8 attention: P enters the P V dot as e4m3 (3 mantissa bits), so each probability carries
+  up to 2^-4 relative error and the output at most 2^-4 of max |V| against the reference's
+  bf16 softmax; with P in bf16 the bound is the bf16 unit, 2^-8.
+- Pre-attention, activation quantization, delta rotation: the kernels round where the
+  references round; fp32 summation order and fused multiply-adds can still move a value
+  across a rounding boundary, so a few values may differ by one code (e4m3) or one unit
+  (bf16) and none by more.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from charengine import fp8
+from charengine.config import TINY, Switches, preset
+from charengine.plugins import act_quant, attention, delta_rotation, fp8_gemm, pre_attention
+from charengine.rope import cos_sin
+from rollout import rel_err
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+NAN8 = 0x7F  # an e4m3fn NaN byte
+
+
+def codes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in e4m3 codes (adjacent values of one sign differ by one code)."""
+    return (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+
+
+def fp8_tensor(shape, g, spread=2.0):
+    return fp8.quantize(torch.randn(shape, device=DEV, generator=g) * spread, 1.0)
+
+
+@pytest.mark.parametrize("H,T,S,D", [(20, 757, 5788, 128), (3, 37, 150, 64), (5, 200, 333, 32)])
+@pytest.mark.parametrize("p_fp8", [True, False])
+@pytest.mark.parametrize("tma", [True, False])
+def test_fp8_attention_matches_reference(H, T, S, D, p_fp8, tma):
+    g = torch.Generator(device=DEV).manual_seed(H + T)
+    q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=DEV, generator=g))
+    k8, v8 = fp8_tensor((H, S, D), g), fp8_tensor((H, S, D), g)
+    ks = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.02 + 0.01
+    vs = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.02 + 0.01
+    ref = attention.reference(q8, qs, k8, v8, ks, vs, torch.float32)
+    out = torch.full((T, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    attention.triton_attention(q8, qs, k8, v8, ks, vs, torch.bfloat16,
+                               attention.AttentionTiles(p_fp8=p_fp8, tma=tma), out=out)
+    vmax = (v8.float().abs().amax(dim=(1, 2)) * vs.flatten()).max()
+    bound = 2.0 ** -4 if p_fp8 else 2.0 ** -7
+    assert not out.isnan().any()
+    assert (out.float() - ref).abs().max() <= bound * vmax
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_fp8_attention_reads_a_transposed_value_store(tma):
+    """A value store laid out [H, D, S] (slots padded to 16 bytes) gives the same result."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    H, T, S, D = 4, 100, 500, 128
+    q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=DEV, generator=g))
+    k8, v8 = fp8_tensor((H, S, D), g), fp8_tensor((H, S, D), g)
+    one = torch.full((H, 1, 1), 0.01, device=DEV)
+    store = torch.zeros(H, D, S + (-S % 16), dtype=fp8.FP8, device=DEV)
+    store[..., :S] = v8.transpose(1, 2)
+    vt = store[..., :S].transpose(1, 2)
+    tiles = attention.AttentionTiles(p_fp8=False, tma=tma)
+    a = attention.triton_attention(q8, qs, k8, v8, one, one, torch.bfloat16, tiles)
+    b = attention.triton_attention(q8, qs, k8, vt, one, one, torch.bfloat16, tiles)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("H,T,D", [(20, 757, 128), (3, 17, 16), (2, 33, 8)])
+@pytest.mark.parametrize("quant", [True, False])
+def test_pre_attention_matches_reference(H, T, D, quant):
+    g = torch.Generator(device=DEV).manual_seed(T)
+    S = 4 * T + 11
+    y = (torch.randn(T, 3 * H * D, device=DEV, generator=g) * 3).to(torch.bfloat16)
+    q, k, v = (t.reshape(T, H, D).transpose(0, 1) for t in y.split(H * D, -1))
+    qn = (torch.rand(D, device=DEV, generator=g) + 0.5).to(torch.bfloat16)
+    kn = (torch.rand(D, device=DEV, generator=g) + 0.5).to(torch.bfloat16)
+    cos, sin = cos_sin(torch.rand(T, D // 2, device=DEV, generator=g) * 6)
+    idx = 5 + 2 * T + torch.arange(T, device=DEV)
+    dt = fp8.FP8 if quant else torch.bfloat16
+    ks = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.01 + 0.005 if quant else None
+    vs = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.01 + 0.005 if quant else None
+    stores = []
+    for _ in range(4):
+        t = torch.empty(H, S, D, dtype=dt, device=DEV)
+        (t.view(torch.uint8).fill_(NAN8) if quant else t.fill_(float("nan")))
+        stores.append(t)
+    qr = pre_attention.reference(q, k, v, qn, kn, 1e-6, cos, sin, stores[0], stores[1], ks, vs, idx)
+    qt = pre_attention.triton_pre_attention(q, k, v, qn, kn, 1e-6, cos, sin, stores[2],
+                                            stores[3], ks, vs, idx, block_t=16)
+    two_ulps = qr.float().abs().amax(-1, keepdim=True) * 2.0 ** -7  # of the row's scale
+    assert ((qt.float() - qr.float()).abs() <= two_ulps).all()
+    for r, t in ((stores[0], stores[2]), (stores[1], stores[3])):
+        if quant:
+            assert codes(r, t).max() <= 1
+            assert torch.equal(r.view(torch.uint8)[:, :5], t.view(torch.uint8)[:, :5])  # untouched
+        else:
+            written = r[:, idx].float()
+            two_ulps = written.abs().amax(-1, keepdim=True) * 2.0 ** -7
+            assert ((t[:, idx].float() - written).abs() <= two_ulps).all()
+            assert t[:, :5].isnan().all()
+
+
+def test_pre_attention_quantizes_queries_like_the_reference():
+    g = torch.Generator(device=DEV).manual_seed(3)
+    H, T, D, S = 20, 757, 128, 3100
+    y = (torch.randn(T, 3 * H * D, device=DEV, generator=g) * 3).to(torch.bfloat16)
+    q, k, v = (t.reshape(T, H, D).transpose(0, 1) for t in y.split(H * D, -1))
+    qn, kn = ((torch.rand(D, device=DEV, generator=g) + 0.5).to(torch.bfloat16) for _ in range(2))
+    cos, sin = cos_sin(torch.rand(T, D // 2, device=DEV, generator=g) * 6)
+    idx = 1000 + torch.arange(T, device=DEV)
+    ks = vs = torch.full((H, 1, 1), 0.01, device=DEV)
+    stores = [torch.zeros(H, S, D, dtype=fp8.FP8, device=DEV) for _ in range(4)]
+    ref = pre_attention.reference(q, k, v, qn, kn, 1e-6, cos, sin, stores[0], stores[1], ks, vs,
+                                  idx, quantize_q=True)
+    out = pre_attention.triton_pre_attention(q, k, v, qn, kn, 1e-6, cos, sin, stores[2],
+                                             stores[3], ks, vs, idx, quantize_q=True)
+    assert_quantized_rows_close(ref, out)
+
+
+@pytest.mark.parametrize("C,H,S,G,D,nt", [(9, 20, 600, 100, 128, 22), (3, 3, 77, 10, 16, 3)])
+def test_delta_rotation_matches_reference(C, H, S, G, D, nt):
+    g = torch.Generator(device=DEV).manual_seed(C)
+    k8 = fp8_tensor((C, H, S, D), g, spread=60)
+    scale = torch.rand(C, 2, H, 1, 1, device=DEV, generator=g) * 0.01 + 0.005
+    k8.view(torch.uint8)[:, :, :G] = NAN8  # globals: must stay as they are
+    omega = torch.rand(nt, device=DEV, generator=g)
+    a, b = k8.clone(), k8.clone()
+    delta_rotation.reference(a, scale[:, 0], G, omega, -42.0)
+    delta_rotation.triton_delta_rotation(b, scale[:, 0], G, omega, -42.0)
+    assert torch.equal(b.view(torch.uint8)[:, :, :G], k8.view(torch.uint8)[:, :, :G])
+    assert torch.equal(b[..., 2 * nt:].view(torch.uint8), k8[..., 2 * nt:].view(torch.uint8))
+    d = codes(a[:, :, G:], b[:, :, G:])
+    assert d.max() <= 1 and (d > 0).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("T,d", [(757, 7680), (31, 100), (5, 64)])
+def test_norm_modulate_quant_matches_reference(T, d):
+    g = torch.Generator(device=DEV).manual_seed(d)
+    h = (torch.randn(T, d, device=DEV, generator=g) * 4 + 1).to(torch.bfloat16)
+    shift, scale = ((torch.randn(d, device=DEV, generator=g) * 0.3).to(torch.bfloat16)
+                    for _ in range(2))
+    ref = act_quant.norm_modulate_reference(h, shift, scale, 1e-6)
+    assert_quantized_rows_close(ref, act_quant.triton_norm_modulate_quant(h, shift, scale, 1e-6))
+
+
+def assert_quantized_rows_close(ref, out):
+    """Scales within one bf16 unit of the row's amax; each value within one e4m3 rounding
+    (2^-4 relative) of the reference's, each side, plus the bf16 units that moved."""
+    (rq, rs), (tq, ts) = ref, out
+    assert ((ts - rs).abs() <= rs * 2.0 ** -7).all()
+    r, t = fp8.dequantize(rq, rs), fp8.dequantize(tq, ts)
+    assert ((t - r).abs() <= r.abs() * 2.0 ** -3 + rs * 448 * 2.0 ** -7).all()
+    assert (tq.view(torch.uint8) == rq.view(torch.uint8)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("T,A,M", [(757, 2560, 10240), (19, 48, 80)])
+def test_swiglu_quant_matches_reference(T, A, M):
+    g = torch.Generator(device=DEV).manual_seed(M)
+    attn = (torch.randn(T, A, device=DEV, generator=g)).to(torch.bfloat16)
+    gu = (torch.randn(T, 2 * M, device=DEV, generator=g) * 2).to(torch.bfloat16)
+    assert_quantized_rows_close(act_quant.swiglu_reference(attn, gu[:, :M], gu[:, M:]),
+                                act_quant.triton_swiglu_quant(attn, gu[:, :M], gu[:, M:]))
+
+
+@pytest.mark.parametrize("M,N,K", [(757, 7680, 12800), (100, 304, 96)])
+def test_triton_fp8_gemm_matches_scaled_mm(M, N, K):
+    """Hopper's FP8 tensor cores accumulate in reduced precision unless the sum is promoted
+    (cuBLASLt's default; its fast accumulation skips it, as Triton's dot does): the bound is
+    the one the cuBLASLt test uses, 1e-2 (measured 3e-3, as with fast accumulation)."""
+    g = torch.Generator(device=DEV).manual_seed(N)
+    aq, a_s = fp8.quantize_rows(torch.randn(M, K, device=DEV, generator=g))
+    wq, ws = fp8.quantize_rows(torch.randn(N, K, device=DEV, generator=g))
+    ref = fp8.scaled_mm(aq, a_s, wq, ws[:, 0].contiguous(), torch.float32)
+    out = fp8_gemm.triton_scaled_mm(aq, a_s, wq, ws[:, 0].contiguous(), torch.float32)
+    assert rel_err(out[None], ref[None]).max() < 1e-2
+
+
+def test_step_with_kernels_matches_the_plain_step():
+    """A tiny model with head dim 64 (the attention kernel's smallest is 32), 60 steps through
+    calibration and a reset: every kernel switch on against every one off."""
+    from test_gpu import run
+
+    spec = dataclasses.replace(TINY, name="tiny-d64", dim=128, n_heads=2, rope_split=(22, 20, 22))
+    off = Switches(fused_pre_attention=False, fused_act_quant=False, fp8_attention_kernel=False,
+                   fused_delta_rotation=False)
+    kernels = run(preset("tiny").replace(model=spec), DEV)
+    plain = run(preset("tiny").replace(model=spec, switches=off), DEV)
+    assert rel_err(kernels, plain).max() < 2e-2
+
+
+def test_pre_attention_writes_a_transposed_value_store():
+    """The production value store is [H, D, S] (slots padded to 16); the kernel writes it
+    transposed, the same bytes as a row store."""
+    g = torch.Generator(device=DEV).manual_seed(5)
+    H, T, D, S = 4, 77, 128, 300
+    y = (torch.randn(T, 3 * H * D, device=DEV, generator=g) * 3).to(torch.bfloat16)
+    q, k, v = (t.reshape(T, H, D).transpose(0, 1) for t in y.split(H * D, -1))
+    qn = kn = torch.ones(D, dtype=torch.bfloat16, device=DEV)
+    cos, sin = cos_sin(torch.rand(T, D // 2, device=DEV, generator=g))
+    idx = 100 + torch.arange(T, device=DEV)
+    ks = vs = torch.full((H, 1, 1), 0.01, device=DEV)
+    rows = torch.zeros(H, S, D, dtype=fp8.FP8, device=DEV)
+    store = torch.zeros(H, D, S + (-S % 16), dtype=fp8.FP8, device=DEV)
+    store.view(torch.uint8).fill_(NAN8)
+    vt = store[..., :S].transpose(1, 2)
+    k8 = [torch.zeros(H, S, D, dtype=fp8.FP8, device=DEV) for _ in range(2)]
+    pre_attention.triton_pre_attention(q, k, v, qn, kn, 1e-6, cos, sin, k8[0], rows, ks, vs, idx)
+    pre_attention.triton_pre_attention(q, k, v, qn, kn, 1e-6, cos, sin, k8[1], vt, ks, vs, idx)
+    assert torch.equal(vt[:, idx].view(torch.uint8), rows[:, idx].view(torch.uint8))
+    assert (vt[:, :100].view(torch.uint8) == NAN8).all()
