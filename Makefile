@@ -12,8 +12,8 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-engines/cpu-tiny/manifest.json: $(VENV)/.installed engines/targets/cpu-tiny.toml $(wildcard charengine/*.py builder/*.py)
-	$(BIN)/charbuild --target cpu-tiny --random-weights --seed 0 --out engines/cpu-tiny
+engines/cpu-tiny/manifest.json: $(VENV)/.installed engines/targets/cpu-tiny.toml checkpoints/tiny.safetensors $(wildcard charengine/*.py builder/*.py)
+	$(BIN)/charbuild --target cpu-tiny --out engines/cpu-tiny
 
 demo: engines/cpu-tiny/manifest.json
 	$(BIN)/charrun --engine engines/cpu-tiny --image assets/face.png --audio assets/speech.wav \

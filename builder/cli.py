@@ -11,9 +11,12 @@ from charengine.config import PRESETS
 from charengine.target import Target
 from charengine.weights import CheckpointError
 
-TARGETS_DIR = Path(__file__).resolve().parents[1] / "engines" / "targets"
-# Presets an engine may be built for without a checkpoint (the embedded default's size).
-EMBEDDED_RANDOM_OK = ("tiny", "tiny-10h")
+REPO = Path(__file__).resolve().parents[1]
+TARGETS_DIR = REPO / "engines" / "targets"
+# Trained checkpoints shipped in the repository: a preset's weights when none are given.
+EMBEDDED_CHECKPOINTS = {"tiny": REPO / "checkpoints" / "tiny.safetensors"}
+# Presets an engine may be built for with random weights without asking (test sizes).
+EMBEDDED_RANDOM_OK = ("tiny-10h",)
 
 
 def find_target(name: str) -> Target:
@@ -48,12 +51,18 @@ def main(target_name, out, weights, random_weights, seed, preset_name):
     if weights and random_weights:
         raise click.UsageError("give one of --weights CKPT and --random-weights, not both")
     target = find_target(target_name)
+    preset = preset_name or target.preset
     if not weights and not random_weights:
-        if (preset_name or target.preset) not in EMBEDDED_RANDOM_OK:
+        embedded = EMBEDDED_CHECKPOINTS.get(preset)
+        if embedded is not None and embedded.is_file():
+            weights = embedded
+            click.echo(f"charbuild: no --weights: the trained {preset} checkpoint, {embedded}",
+                       err=True)
+        elif preset in EMBEDDED_RANDOM_OK:
+            click.echo(f"charbuild: no --weights: random weights (seed {seed})", err=True)
+        else:
             raise click.UsageError(f"{target.name} needs --weights CKPT (or --random-weights "
                                    "for benchmarks)")
-        click.echo(f"charbuild: no --weights: random weights (seed {seed}); the tiny model's "
-                   "trained checkpoint is not shipped yet", err=True)
     try:
         m = build(target, out, weights=weights, seed=None if weights else seed,
                   preset_name=preset_name, log=lambda s: click.echo(s, err=True))

@@ -77,9 +77,12 @@ class AudioEncoder(torch.nn.Module):
 
     def forward(self, window: torch.Tensor) -> torch.Tensor:
         """One step's sample window [window_samples] -> features [audio_tokens, audio_dim]."""
-        x = self.log_mel(window.float())[None]
-        x = F.gelu(self.conv2(F.gelu(self.conv1(x)))).transpose(1, 2)
+        return self.features(self.log_mel(window.float())[None])[0]
+
+    def features(self, log_mel: torch.Tensor) -> torch.Tensor:
+        """Log-mels [B, n_mels, audio_context] -> features [B, audio_tokens, audio_dim]."""
+        x = F.gelu(self.conv2(F.gelu(self.conv1(log_mel)))).transpose(1, 2)
         for layer in self.layers:
             x = layer(x)
         x = F.adaptive_avg_pool1d(x.transpose(1, 2), self.spec.audio_tokens).transpose(1, 2)
-        return self.out(x[0])
+        return self.out(x)

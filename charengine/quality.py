@@ -23,10 +23,13 @@ MOUTH_RGB = np.array(MOUTH_COLOR) * 255  # the synthetic characters' mouth colou
 MAX_OFFSET = 15
 
 
-def mouth_opening(frames: np.ndarray, tolerance: float = 60.0) -> np.ndarray:
-    """[T, H, W, 3] uint8 -> [T]: mouth-coloured pixels in the lower half of each frame."""
+def mouth_opening(frames: np.ndarray, soft: float = 150.0) -> np.ndarray:
+    """[T, H, W, 3] uint8 -> [T]: how much of the lower half of each frame is mouth. A pixel
+    counts 1 - d / soft, where d is its L1 RGB distance to the mouth colour (0 beyond
+    `soft`): a decoded mouth's blurred edge counts in part instead of not at all."""
     lower = frames[:, frames.shape[1] // 2:].astype(np.float32)
-    return (np.abs(lower - MOUTH_RGB).sum(-1) < tolerance).sum(axis=(1, 2)).astype(np.float64)
+    d = np.abs(lower - MOUTH_RGB).sum(-1)
+    return np.clip(1 - d / soft, 0, 1).sum(axis=(1, 2)).astype(np.float64)
 
 
 @dataclass
@@ -34,6 +37,7 @@ class LipSync:
     offset: int
     confidence: float
     distance: float
+    near: float  # best correlation within `near` frames of zero lag (one latent's timing)
 
 
 def _corr(a: np.ndarray, b: np.ndarray) -> float:
@@ -43,7 +47,7 @@ def _corr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def lip_sync(frames: np.ndarray, audio: np.ndarray, sample_rate: int, fps: int,
-             max_offset: int = MAX_OFFSET) -> LipSync:
+             max_offset: int = MAX_OFFSET, near: int = 4) -> LipSync:
     mouth = mouth_opening(frames)
     loud = loudness(audio, sample_rate, fps, len(mouth))
     corr = {}
@@ -53,7 +57,8 @@ def lip_sync(frames: np.ndarray, audio: np.ndarray, sample_rate: int, fps: int,
         else:
             corr[k] = _corr(mouth[:k], loud[-k:])
     best = max(corr, key=corr.get)
-    return LipSync(best, corr[best] - float(np.median(list(corr.values()))), 1 - corr[best])
+    return LipSync(best, corr[best] - float(np.median(list(corr.values()))), 1 - corr[best],
+                   max(corr[k] for k in range(-near, near + 1)))
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

@@ -46,6 +46,7 @@ def main():
         out = {"clips": per,
                "confidence": bootstrap([p["confidence"] for p in per.values()]),
                "distance": bootstrap([p["distance"] for p in per.values()]),
+               "near": bootstrap([p["near"] for p in per.values()]),
                "offset_median": float(np.median([p["offset"] for p in per.values()]))}
     else:
         per = {}

@@ -139,10 +139,14 @@ def test_charbuild_cli_builds_and_explains_bad_input(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode != 0 and "not a readable safetensors file" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "g").exists()
-    # the embedded default builds with no weights named; a 57B target never does
+    # the embedded default builds from the shipped checkpoint with no weights named; a 57B
+    # target never does
     r = subprocess.run(charbuild + ["--target", "cpu-tiny", "--out", str(tmp_path / "h")],
                        capture_output=True, text=True)
-    assert r.returncode == 0 and "random weights (seed 0)" in r.stderr
+    assert r.returncode == 0 and "the trained tiny checkpoint" in r.stderr
+    m = json.loads((tmp_path / "h/manifest.json").read_text())
+    assert m["weights"]["checkpoint"].endswith("checkpoints/tiny.safetensors")
+    assert m["side_networks"] == "checkpoint"
     r = subprocess.run(charbuild + ["--target", "h100-tp3", "--out", str(tmp_path / "i")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "h100-tp3 needs --weights" in r.stderr

@@ -5,6 +5,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _softmax(acc, l_i, m_i, s):
+    """One key tile's online-softmax update from scores s (log2 units): probabilities, the
+    rescaled accumulator, row sums and row maxima."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    return p, acc * alpha[:, None], l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _pv(acc, p, v, P_FP8: tl.constexpr, P_SCALE: tl.constexpr):
+    if P_FP8:
+        return tl.dot((p * P_SCALE).to(tl.float8e4nv), v, acc)
+    return tl.dot((p * P_SCALE).to(tl.bfloat16), v.to(tl.bfloat16), acc)
+
+
+@triton.jit
 def _tile(acc, l_i, m_i, q, row_scale, k_ptr, v_ptr, start, S, stride_ks, stride_vs,
           stride_vd, offs_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
           P_FP8: tl.constexpr, P_SCALE: tl.constexpr):
@@ -20,16 +37,8 @@ def _tile(acc, l_i, m_i, q, row_scale, k_ptr, v_ptr, start, S, stride_ks, stride
     s = tl.dot(q, tl.trans(k)) * row_scale[:, None]
     if MASKED:
         s = tl.where(offs_n[None, :] < S, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if P_FP8:
-        acc = tl.dot((p * P_SCALE).to(tl.float8e4nv), v, acc)
-    else:
-        acc = tl.dot((p * P_SCALE).to(tl.bfloat16), v.to(tl.bfloat16), acc)
-    return acc, l_i, m_new
+    p, acc, l_i, m_new = _softmax(acc, l_i, m_i, s)
+    return _pv(acc, p, v, P_FP8, P_SCALE), l_i, m_new
 
 @triton.jit
 def attention_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, T, S, sm_scale_log2,
@@ -72,20 +81,12 @@ def _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, start, S,
     if MASKED:
         offs_n = start + tl.arange(0, BLOCK_N)
         s = tl.where(offs_n[None, :] < S, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+    p, acc, l_i, m_new = _softmax(acc, l_i, m_i, s)
     if V_T:
         v = tl.trans(v_desc.load([h, 0, start]).reshape(D, BLOCK_N))
     else:
         v = v_desc.load([h, start, 0]).reshape(BLOCK_N, D)
-    if P_FP8:
-        acc = tl.dot((p * P_SCALE).to(tl.float8e4nv), v, acc)
-    else:
-        acc = tl.dot((p * P_SCALE).to(tl.bfloat16), v.to(tl.bfloat16), acc)
-    return acc, l_i, m_new
+    return _pv(acc, p, v, P_FP8, P_SCALE), l_i, m_new
 
 
 @triton.jit
