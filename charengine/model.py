@@ -133,10 +133,7 @@ class CharacterDiT(torch.nn.Module):
             wq, ws = self.w[f"{name}.q"], self.w[f"{name}.scale"]
             with self.scope("gemm"):
                 out = x.to(self.dtype) @ fp8.dequantize(wq, ws[:, None], self.dtype).t()
-            if reduce is not None:
-                with self.scope("all_reduce"):
-                    out = reduce(out)
-            return out
+            return self.reduced(out, reduce)
         with self.scope("act_quant"):
             aq, a_s = self.act.quantize_rows(x)
         return self.fp8_gemm(aq, a_s, name, reduce)
@@ -152,10 +149,13 @@ class CharacterDiT(torch.nn.Module):
                 return self.gemm_allreduce(aq, a_s, wq, ws, self.dtype, nm.fast_accum, reduce)
         with self.scope("fp8_gemm"):
             out = fp8.scaled_mm(aq, a_s, wq, ws, self.dtype, nm.fast_accum)
-        if reduce is not None:
-            with self.scope("all_reduce"):
-                out = reduce(out)
-        return out
+        return self.reduced(out, reduce)
+
+    def reduced(self, out: torch.Tensor, reduce: AllReduce | None) -> torch.Tensor:
+        if reduce is None:
+            return out
+        with self.scope("all_reduce"):
+            return reduce(out)
 
     def modulation(self, b: int, p: int, cond: StepConditioning) -> torch.Tensor:
         if self.cfg.switches.baked_adaln:
