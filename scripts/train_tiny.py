@@ -160,10 +160,17 @@ def train_dit(args) -> dict:
     side = SideNets(spec)  # seeded: the text encoder's weights are part of the checkpoint
     side.decoder.load_state_dict(dec.state_dict())
     side.image_encoder.load_state_dict(img.state_dict())
+    init = random_weights(spec, args.seed)
+    if args.init is not None:  # continue from a checkpoint: its DiT, audio and text encoders
+        state = load_file(str(args.init))
+        init = {k: state[k] for k in init}
+        for name in ("audio_encoder", "text_encoder"):
+            getattr(side, name).load_state_dict({k[len(name) + 1:]: v for k, v in state.items()
+                                                 if k.startswith(name + ".")})
     t0 = time.time()
     data = prepare_dit_data(spec, enc, img, side.text_encoder, args.clips, args.seconds, args.seed)
     print(f"dit data: {tuple(data['lat'].shape)} latents ({time.time() - t0:.0f} s)", flush=True)
-    model = SequenceDiT(cfg, random_weights(spec, args.seed))
+    model = SequenceDiT(cfg, init)
     audio = side.audio_encoder
     params = [*model.parameters(), *audio.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -218,6 +225,8 @@ def main():
                     help="default: checkpoints/tiny_vae.safetensors (vae), checkpoints/tiny.safetensors (dit)")
     ap.add_argument("--vae", type=Path, default=Path("checkpoints/tiny_vae.safetensors"),
                     help="dit: the trained VAE whose latents the DiT learns")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="dit: continue from this checkpoint's DiT and audio encoder")
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--image-steps", type=int, default=400)
     ap.add_argument("--clips", type=int, default=48)
