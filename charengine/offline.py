@@ -8,8 +8,17 @@ import numpy as np
 import torch
 
 from . import audio as audio_mod
-from .sidenets import SideNets
+from .config import ModelSpec
+from .sidenets import SideNets, load_side, random_side_state
 from .step import Session
+
+
+def random_model_side(spec: ModelSpec, trained: dict[str, torch.Tensor], seed: int = 0) -> SideNets:
+    """The side networks of a random-weight baseline: seeded audio and text encoders, the
+    trained decoder and image encoder (so its frames are decoded like the trained model's)."""
+    keep = ("decoder.", "image_encoder.")
+    return load_side(spec, {**random_side_state(spec, seed),
+                            **{k: v for k, v in trained.items() if k.startswith(keep)}})
 
 
 @torch.no_grad()

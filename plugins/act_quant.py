@@ -96,7 +96,7 @@ def select(device: torch.device) -> ActQuantOps:
     """The Triton kernels on CUDA, else the references."""
     if device.type == "cuda":
         return ActQuantOps(triton_act_quant, triton_norm_modulate_quant, triton_swiglu_quant)
-    return ActQuantOps(reference, norm_modulate_reference, swiglu_reference)
+    return plain()
 
 
 def plain() -> ActQuantOps:

@@ -70,25 +70,27 @@ def triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
     if out is None:
         out = torch.empty((T, H * D), dtype=out_dtype, device=q8.device)
     grid = ((T + tiles.block_m - 1) // tiles.block_m, H)
+    ks, vs = k_scale.reshape(H).float(), v_scale.reshape(H).float()
+    sm_scale_log2 = math.log2(math.e) / math.sqrt(D)
     if tiles.tma:
-        return _attention_tma(q8, q_scale, k8, v8, k_scale, v_scale, out, tiles, grid)
+        return _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles, grid)
     from .kernels.attention import attention_kernel
 
     attention_kernel[grid](
-        q8, q_scale, k8, v8, k_scale.reshape(H).float(), v_scale.reshape(H).float(), out, T, S,
-        math.log2(math.e) / math.sqrt(D), q8.stride(0), q8.stride(1), k8.stride(0), k8.stride(1),
+        q8, q_scale, k8, v8, ks, vs, out, T, S,
+        sm_scale_log2, q8.stride(0), q8.stride(1), k8.stride(0), k8.stride(1),
         v8.stride(0), v8.stride(1), v8.stride(2), out.stride(0), D=D, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, P_FP8=tiles.p_fp8, P_SCALE=P_SCALE, num_warps=tiles.warps,
         num_stages=tiles.stages)
     return out
 
 
-def _attention_tma(q8, q_scale, k8, v8, k_scale, v_scale, out, tiles, grid):
+def _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles, grid):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from .kernels.attention import attention_tma_kernel
 
-    H, T, D = q8.shape
+    _, T, D = q8.shape
     S = k8.shape[1]
     bm, bn = tiles.block_m, tiles.block_n
     v_t = v8.stride(1) == 1  # [H, D, S] in memory
@@ -97,8 +99,7 @@ def _attention_tma(q8, q_scale, k8, v8, k_scale, v_scale, out, tiles, grid):
         TensorDescriptor(q8, list(q8.shape), list(q8.stride()), [1, bm, D]), q_scale,
         TensorDescriptor(k8, list(k8.shape), list(k8.stride()), [1, bn, D]),
         TensorDescriptor(vd, list(vd.shape), list(vd.stride()), [1, D, bn] if v_t else [1, bn, D]),
-        k_scale.reshape(H).float(), v_scale.reshape(H).float(), out, T, S,
-        math.log2(math.e) / math.sqrt(D), out.stride(0), D=D, BLOCK_M=bm, BLOCK_N=bn,
+        ks, vs, out, T, S, sm_scale_log2, out.stride(0), D=D, BLOCK_M=bm, BLOCK_N=bn,
         P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE, num_warps=tiles.warps,
         num_stages=tiles.stages)
     return out

@@ -2,11 +2,10 @@
 are dequantized with the head's scale, rotated by omega_j * delta in fp32, clamped and
 requantized with the same scale, in place. Global slots and values are untouched.
 
-`reference` is the per-cache loop of charengine.cache (one rounding per key, once per reset).
+`reference` loops over the caches in torch (one rounding per key, once per reset).
 """
 
 from __future__ import annotations
-
 
 import torch
 

@@ -1,7 +1,8 @@
 """FP8 GEMM with rowwise scales, chosen per shape: cuBLASLt through `torch._scaled_mm` (with
 or without fast accumulation) or a Triton kernel with its tile sizes. scripts/bench_kernels.py
-measures the candidates at a preset's rank-slice shapes; the builder records the winner per
-(M, N, K) in the engine, and the model looks its GEMMs up there."""
+measures the candidates at a preset's rank-slice shapes. cuBLASLt won at both rank-slice
+shapes (docs/PERFORMANCE.md), so the model calls fp8.scaled_mm; recording a per-shape winner
+in the engine is still to do."""
 
 from __future__ import annotations
 

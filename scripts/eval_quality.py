@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from charengine.config import Numerics, Switches, preset
-from charengine.offline import animate
+from charengine.offline import animate, random_model_side
 from charengine.quality import bootstrap, compare_runs, lip_sync
 from charengine.rank import make_session, rank_state
-from charengine.sidenets import PREFIXES, load_side, random_side_state
+from charengine.sidenets import PREFIXES, load_side
 from charengine.synth import clip
 from charengine.weights import load_checkpoint, random_weights
 
@@ -56,11 +56,9 @@ def main():
     spec = preset("tiny").model
     state, side_state = load_checkpoint(args.checkpoint, spec, PREFIXES)
     side = load_side(spec, side_state)
-    rand_side = load_side(spec, {**random_side_state(spec, 0),
-                                 **{k: v for k, v in side_state.items()
-                                    if k.startswith(("decoder.", "image_encoder."))}})
-    sessions = {arm: make_session(preset("tiny", **kw), rank_state(preset("tiny", **kw), state))
-                for arm, kw in ARMS.items()}
+    rand_side = random_model_side(spec, side_state)
+    cfgs = {arm: preset("tiny", **kw) for arm, kw in ARMS.items()}
+    sessions = {arm: make_session(cfg, rank_state(cfg, state)) for arm, cfg in cfgs.items()}
     random_session = make_session(preset("tiny"), rank_state(preset("tiny"), random_weights(spec, 0)))
     rng = np.random.default_rng(HELD_OUT_SEED)
     sync = {k: [] for k in ("ground_truth", "random_weights", *ARMS)}

@@ -113,11 +113,16 @@ def train_vae(args) -> dict:
     return report
 
 
+def prefixed(state: dict, prefix: str) -> dict:
+    """The tensors under `prefix` ("decoder."), named without it."""
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
 def load_vae(spec, path: Path):
     state = load_file(str(path))
     enc, dec, img = VideoEncoder(spec), Decoder(spec), ImageEncoder(spec)
     for prefix, net in (("video_encoder.", enc), ("decoder.", dec), ("image_encoder.", img)):
-        net.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        net.load_state_dict(prefixed(state, prefix))
     return enc.eval(), dec.eval(), img.eval()
 
 
@@ -165,8 +170,7 @@ def train_dit(args) -> dict:
         state = load_file(str(args.init))
         init = {k: state[k] for k in init}
         for name in ("audio_encoder", "text_encoder"):
-            getattr(side, name).load_state_dict({k[len(name) + 1:]: v for k, v in state.items()
-                                                 if k.startswith(name + ".")})
+            getattr(side, name).load_state_dict(prefixed(state, name + "."))
     t0 = time.time()
     data = prepare_dit_data(spec, enc, img, side.text_encoder, args.clips, args.seconds, args.seed)
     print(f"dit data: {tuple(data['lat'].shape)} latents ({time.time() - t0:.0f} s)", flush=True)
