@@ -1,37 +1,101 @@
-"""build(): shard, quantize and bake a target's engine into a directory."""
+"""build(): shard, quantize and bake a target's engine into a directory; for a GPU target,
+compile every kernel a session runs on the target GPU into it."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from charengine.config import RankShape, config_to_dict
-from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, SIDE, rank_file, sha256,
+from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, SIDE, TRITON_KERNELS,
+                                      checksums, engine_files, gpu_arch, rank_file, sha256,
                                       this_machine)
 from charengine.model import bake_adaln
 from charengine.sidenets import PREFIXES, SideNets, random_side_state
 from charengine.target import Target
-from charengine.weights import (load_checkpoint, param_shapes, quantize_block_linears,
-                                random_weights, shard)
+from charengine.weights import RandomWeights, load_checkpoint, param_shapes, rank_weights
+
+
+class BuildError(ValueError):
+    pass
+
+
+def build_device(target: Target, kernels: bool) -> torch.device:
+    """Where the builder quantizes and warms up: the target's GPU kind for a GPU target whose
+    kernels are compiled (they are compiled for the GPU they run on), else the CPU."""
+    if target.device != "cuda" or not kernels:
+        return torch.device("cuda" if target.device == "cuda" and torch.cuda.is_available()
+                            else "cpu")
+    here = gpu_arch() if torch.cuda.is_available() else None
+    if here != target.gpu_arch:
+        has = f"a {torch.cuda.get_device_name(0)} ({here})" if here else "no CUDA GPU"
+        raise BuildError(f"target {target.name} runs on {target.gpu_arch}: its kernels are "
+                         f"compiled on that GPU and this machine has {has}; build it there, or "
+                         "pass --no-kernels (charrun then compiles them at every start)")
+    return torch.device("cuda")
+
+
+def bake_kernels(engine: Path, rank: int, log) -> dict:
+    """Compile the kernels of `rank`'s model into the engine (builder/bake.py, in a fresh
+    process)."""
+    r = subprocess.run([sys.executable, "-m", "charengine.builder.bake", str(engine), str(rank)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = "\n".join(r.stderr.strip().splitlines()[-20:])
+        raise BuildError(f"rank {rank}: the kernel warm-up failed:\n{tail}")
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    log(f"rank {rank}: {len(result['compiled'])} kernels compiled in a {result['steps']}-step "
+        f"warm-up ({result['seconds']:.1f} s)")
+    return result
+
+
+def manifest_of(target: Target, cfg, ranks, source, side_source, kernels, files) -> dict:
+    spec = cfg.model
+    return {
+        "format_version": FORMAT_VERSION,
+        "target": target.to_dict(),
+        "config": config_to_dict(cfg),
+        "tp": cfg.tp,
+        "ranks": ranks,
+        "rank_devices": target.rank_devices(),
+        "built_with": this_machine(),
+        "weights": source,
+        "side_networks": side_source,
+        "parameters": {"block_linears": spec.block_linear_params(),
+                       "total_dit": sum(torch.Size(s).numel() for s in param_shapes(spec).values())},
+        "kernels": kernels,
+        "files": files,
+    }
 
 
 def build(target: Target, out: Path, weights: Path | None = None, seed: int | None = None,
-          preset_name: str | None = None, log=print) -> dict:
+          preset_name: str | None = None, log=print, ranks: list[int] | None = None,
+          kernels: bool = True) -> dict:
     """Write the engine for `target` to `out` and return its manifest. Exactly one of
-    `weights` (a safetensors checkpoint) and `seed` (random weights) is given."""
+    `weights` (a safetensors checkpoint) and `seed` (random weights) is given. `ranks` builds
+    a part of the layout (a rank slice to benchmark on fewer GPUs; charrun refuses to serve
+    it); `kernels=False` leaves a GPU target's kernels to be compiled when charrun starts."""
     if (weights is None) == (seed is None):
         raise ValueError("give either a checkpoint or a seed for random weights")
     cfg = target.config(preset_name)
     spec = cfg.model
+    ranks = sorted(set(range(cfg.tp) if ranks is None else ranks))
+    if not ranks or ranks[0] < 0 or ranks[-1] >= cfg.tp:
+        raise BuildError(f"ranks {ranks}: target {target.name} has ranks 0..{cfg.tp - 1}")
+    compile_kernels = kernels and target.device == "cuda"
+    device = build_device(target, compile_kernels)
     if weights is not None:
         state, side = load_checkpoint(weights, spec, PREFIXES)
+        state = {k: v.to(device) for k, v in state.items()}
         source = {"checkpoint": str(weights), "sha256": sha256(weights)}
     else:
-        state, side = random_weights(spec, seed), {}
+        state, side = RandomWeights(spec, seed, device), {}
         source = {"random_seed": seed}
     if side and set(side) != set(SideNets(spec).state_dict()):
         raise ValueError(f"{weights}: side-network tensors are incomplete; give all of "
@@ -43,28 +107,31 @@ def build(target: Target, out: Path, weights: Path | None = None, seed: int | No
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    qstate = quantize_block_linears(spec, state)
-    for r in range(cfg.tp):
-        save_file(shard(spec, qstate, RankShape.of(spec, cfg.tp, r)), str(tmp / rank_file(r)))
-        log(f"rank {r}: {rank_file(r)}")
     table, final = bake_adaln(cfg, state)
-    save_file({"adaln_table": table.contiguous(), "final_table": final.contiguous()},
+    save_file({"adaln_table": table.contiguous().cpu(), "final_table": final.contiguous().cpu()},
               str(tmp / ADALN))
     save_file({k: v.contiguous() for k, v in side.items()}, str(tmp / SIDE))
-    files = sorted(p.name for p in tmp.iterdir())
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "target": target.to_dict(),
-        "config": config_to_dict(cfg),
-        "tp": cfg.tp,
-        "rank_devices": target.rank_devices(),
-        "built_with": this_machine(),
-        "weights": source,
-        "side_networks": side_source,
-        "parameters": {"block_linears": spec.block_linear_params(),
-                       "total_dit": sum(torch.Size(s).numel() for s in param_shapes(spec).values())},
-        "files": {name: sha256(tmp / name) for name in files},
-    }
+    for r in ranks:
+        rstate = rank_weights(spec, state, RankShape.of(spec, cfg.tp, r),
+                              keep_adaln=not cfg.switches.baked_adaln)
+        save_file({k: v.cpu() for k, v in rstate.items()}, str(tmp / rank_file(r)))
+        del rstate
+        log(f"rank {r}: {rank_file(r)}")
+    del state
+    kernels = {"compiled": False, "dir": None, "warm_up": {}}
+    if compile_kernels:
+        (tmp / MANIFEST).write_text(json.dumps(
+            manifest_of(target, cfg, ranks, source, side_source, kernels, {})))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the warm-up process loads the rank again
+        shapes = {}
+        for r in ranks:  # ranks of one shape share their kernels
+            shapes.setdefault((RankShape.of(spec, cfg.tp, r).heads,
+                               RankShape.of(spec, cfg.tp, r).mlp), r)
+        kernels = {"compiled": True, "dir": TRITON_KERNELS,
+                   "warm_up": {str(r): bake_kernels(tmp, r, log) for r in shapes.values()}}
+    manifest = manifest_of(target, cfg, ranks, source, side_source, kernels,
+                           checksums(tmp, engine_files(tmp)))
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

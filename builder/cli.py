@@ -43,11 +43,22 @@ def find_target(name: str) -> Target:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for --random-weights.")
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)),
               help="Model preset, overriding the target's.")
-def main(target_name, out, weights, random_weights, seed, preset_name):
+@click.option("--ranks", help="Build only these TP ranks (comma-separated), e.g. one rank's "
+                              "slice to benchmark on one GPU; charrun does not serve it.")
+@click.option("--no-kernels", is_flag=True,
+              help="Do not compile a GPU target's kernels into the engine (charrun compiles "
+                   "them at every start); lets a GPU engine be built without its GPU.")
+def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels):
     """Bake a per-rank engine: FP8 weights and scales, AdaLN tables for the fixed schedule,
-    side networks, and a manifest with checksums that charrun checks before loading."""
+    side networks, a GPU target's compiled kernels (built on that GPU), and a manifest with
+    checksums that charrun checks before loading."""
     from .build import build
 
+    if ranks is not None:
+        try:
+            ranks = [int(r) for r in ranks.split(",")]
+        except ValueError:
+            raise click.UsageError(f"--ranks {ranks!r}: give rank numbers like 0 or 0,2") from None
     if weights and random_weights:
         raise click.UsageError("give one of --weights CKPT and --random-weights, not both")
     target = find_target(target_name)
@@ -65,7 +76,8 @@ def main(target_name, out, weights, random_weights, seed, preset_name):
                                    "for benchmarks)")
     try:
         m = build(target, out, weights=weights, seed=None if weights else seed,
-                  preset_name=preset_name, log=lambda s: click.echo(s, err=True))
+                  preset_name=preset_name, log=lambda s: click.echo(s, err=True), ranks=ranks,
+                  kernels=not no_kernels)
     except (CheckpointError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"built {target.name} ({m['config']['model']['name']}, TP-{m['tp']}) -> {out}")

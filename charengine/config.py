@@ -164,6 +164,10 @@ PRESETS: dict[str, ModelSpec] = {
     # Ten heads: splits unevenly over 3, 4 and 7 ranks; the uneven-TP tests use it.
     "tiny-10h": dataclasses.replace(TINY, name="tiny-10h", dim=80, n_heads=10,
                                     rope_split=(2, 2, 4)),
+    # Head dim 64: the smallest tiny model every GPU kernel serves (FP8 attention needs a
+    # power-of-two head dim of at least 32); the GPU tests of kernels and engines use it.
+    "tiny-d64": dataclasses.replace(TINY, name="tiny-d64", dim=128, n_heads=2,
+                                    rope_split=(22, 20, 22)),
 }
 
 

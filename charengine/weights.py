@@ -20,6 +20,7 @@ Only safetensors are read: no pickle is ever loaded.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -80,6 +81,23 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype=torch.floa
 def random_weights(spec: ModelSpec, seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
     return {name: random_tensor(name, shape, seed, dtype)
             for name, shape in param_shapes(spec).items()}
+
+
+class RandomWeights(Mapping):
+    """The random checkpoint of random_weights, made one tensor at a time on `device` when
+    asked for (a builder at full size never holds the whole fp32 model)."""
+
+    def __init__(self, spec: ModelSpec, seed: int, device="cpu"):
+        self.shapes, self.seed, self.device = param_shapes(spec), seed, device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return random_tensor(name, self.shapes[name], self.seed, torch.float32, self.device)
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
 def check_state(spec: ModelSpec, state: dict[str, torch.Tensor], where: str) -> None:
@@ -158,6 +176,37 @@ def shard(spec: ModelSpec, qstate: dict[str, torch.Tensor], r: RankShape) -> dic
             out[name] = t[:, cols].contiguous()
         else:
             out[name] = t
+    return out
+
+
+def is_adaln_weight(name: str) -> bool:
+    """The AdaLN MLPs' weights: needed to bake the tables, and at run time only without them."""
+    return "adaln" in name
+
+
+def rank_weights(spec: ModelSpec, state: Mapping, r: RankShape,
+                 keep_adaln: bool = True) -> dict[str, torch.Tensor]:
+    """One rank's engine weights from a full-precision state, one tensor at a time: block
+    linears quantized to FP8 with per-output-channel scales and cut to the rank (the same
+    result as shard(quantize_block_linears(state))), the rest in fp32; the AdaLN MLP weights
+    only with keep_adaln (engines with baked tables do not need them)."""
+    out = {}
+    linears = set(block_linear_names(spec))
+    for name in param_shapes(spec):
+        if not keep_adaln and is_adaln_weight(name):
+            continue
+        t = state[name]
+        if name in linears:
+            q, s = fp8.quantize_rows(t.float())
+            if name.endswith("w_in"):
+                rows = _in_rows(spec, r).to(t.device)
+                q, s = q[rows], s[rows]
+            else:
+                q = q[:, _out_cols(spec, r).to(t.device)]
+            out[f"{name}.q"], out[f"{name}.scale"] = q.contiguous(), s[:, 0].contiguous()
+        else:
+            out[name] = t.float()
+        del t
     return out
 
 

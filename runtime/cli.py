@@ -18,8 +18,6 @@ from rich.table import Table
 from charengine import audio as audio_mod
 
 from .engine import Engine, EngineError
-from .media import MediaError, read_audio, read_image
-from .render import Rendered, render
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -48,6 +46,30 @@ def summary_table(times, steps_done: int, wall_s: float, fps: int, frames_per_la
     return t
 
 
+def ready_check(engine_dir: Path) -> None:
+    t0 = time.perf_counter()
+    try:
+        engine = Engine.load(engine_dir, verify_in_background=True)
+        t1 = time.perf_counter()
+        from .distributed import open_worker
+
+        worker = open_worker(engine)
+    except EngineError as e:
+        raise click.ClickException(str(e)) from None
+    total = time.perf_counter() - t0
+    startup = getattr(worker, "startup", {})
+    compiles = getattr(worker, "compiles", 0)
+    worker.close()
+    parts = [f"engine checked in {t1 - t0:.2f} s"]
+    if startup:
+        parts.append(f"weights loaded in {startup['load_s']:.2f} s")
+    if startup.get("warm_up_steps"):
+        parts.append(f"{startup['warm_up_steps']}-step warm-up and graph capture in "
+                     f"{startup['warm_up_s']:.2f} s")
+    click.echo(f"ready in {total:.2f} s ({', '.join(parts)}); {compiles} kernels compiled "
+               "at start")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--engine", "engine_dir", type=click.Path(path_type=Path), required=True,
               help="Engine directory written by charbuild.")
@@ -70,15 +92,23 @@ def summary_table(times, steps_done: int, wall_s: float, fps: int, frames_per_la
                    "LIVEKIT_API_KEY, LIVEKIT_API_SECRET).")
 @click.option("--agent-name", default="charengine-avatar", show_default=True,
               help="LiveKit agent name the worker registers for explicit dispatch.")
+@click.option("--check", is_flag=True,
+              help="Load the engine and get ready (kernels loaded, warm-up, step graphs "
+                   "captured), report what it took and how many kernels had to be compiled, "
+                   "and exit.")
 def main(engine_dir, image, audio_path, out, prompt, seed, serve, host, port, ice_servers, slack,
-         livekit, agent_name):
+         livekit, agent_name, check):
     """Render a talking character (the image animated to the speech, H.264 + AAC MP4), or
     with --serve stream one over WebRTC to a local page."""
     err = Console(stderr=True)
+    if check:
+        return ready_check(engine_dir)
+    from .media import MediaError, read_audio, read_image  # PyAV: not needed by --check
+    from .render import Rendered, render
     if not (serve or livekit) and not (image and audio_path and out):
         raise click.UsageError("give --image, --audio and --out, or --serve, or --livekit")
     try:
-        engine = Engine.load(engine_dir)
+        engine = Engine.load(engine_dir, verify_in_background=True)
         spec = engine.config.model
         if serve or livekit:
             from .worker import Worker

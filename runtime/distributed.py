@@ -30,6 +30,7 @@ from charengine import audio as audio_mod
 
 from .engine import Engine
 from .pipeline import StepTimes
+from .worker import load_rank
 
 CMD_STEPS, CMD_STOP = 1, 2
 
@@ -55,7 +56,6 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
         tp_group = dist.new_group(list(range(1, world)))
         engine = Engine.load(engine_dir)
-        from charengine.rank import make_session
 
         def all_reduce(t):
             dist.all_reduce(t, group=tp_group)
@@ -63,8 +63,7 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
 
         cfg = engine.config
         spec = cfg.model
-        session = make_session(cfg, engine.rank_state(rank), rank, all_reduce=all_reduce,
-                               adaln_tables=engine.adaln_tables())
+        session = load_rank(engine, rank, torch.device("cpu"), all_reduce)
         lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
         times = []
         with torch.inference_mode():
@@ -110,6 +109,7 @@ class DistributedWorker:
     def __init__(self, engine: Engine, timeout_s: float = 60.0, log_dir: str | None = None):
         from charengine.sidenets import load_side
 
+        engine.verified()
         self.engine, self.cfg, self.spec = engine, engine.config, engine.config.model
         self.timeout_s = timeout_s
         self.side = load_side(self.spec, engine.side_state())

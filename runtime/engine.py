@@ -4,15 +4,17 @@ anything heavy happens. Every problem is one EngineError line naming what to do.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from charengine.config import EngineConfig, config_from_dict
-from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, SIDE, rank_file, sha256,
-                                      this_machine)
+from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, SIDE, checksums,
+                                      rank_file, this_machine)
+from charengine.kernel_cache import KernelCache
 from charengine.target import Target
 
 
@@ -24,14 +26,17 @@ def _minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
-def check_machine(target: Target, built_with: dict, machine: dict) -> None:
-    """Refuse an engine this machine cannot run: other device kind, too few GPUs, another GPU
-    architecture, or another torch / CUDA than it was built with."""
+def check_machine(target: Target, built_with: dict, machine: dict, gpus: int | None = None,
+                  kernels: bool = False) -> None:
+    """Refuse an engine this machine cannot run: other device kind, too few GPUs (`gpus`: what
+    the ranks being loaded need, default the whole layout), another GPU architecture, another
+    torch / CUDA than it was built with, or, for compiled kernels, another Triton."""
     if target.device == "cuda":
-        need = f"{target.gpus} CUDA GPU{'s' if target.gpus > 1 else ''} ({target.gpu}, {target.gpu_arch})"
+        gpus = target.gpus if gpus is None else gpus
+        need = f"{gpus} CUDA GPU{'s' if gpus > 1 else ''} ({target.gpu}, {target.gpu_arch})"
         if machine["gpu_count"] == 0:
             raise EngineError(f"engine {target.name} needs {need}; this machine has no CUDA GPU")
-        if machine["gpu_count"] < target.gpus:
+        if machine["gpu_count"] < gpus:
             raise EngineError(f"engine {target.name} needs {need} for TP-{target.tp}; this "
                               f"machine has {machine['gpu_count']}")
         if machine["gpu_arch"] != target.gpu_arch:
@@ -46,6 +51,18 @@ def check_machine(target: Target, built_with: dict, machine: dict) -> None:
         raise EngineError(f"engine {target.name} was built with CUDA {built_with.get('cuda')}; "
                           f"this machine has CUDA {machine.get('cuda')}: rebuild it here with "
                           "charbuild")
+    if kernels and built_with.get("triton") != machine.get("triton"):
+        raise EngineError(f"engine {target.name}'s kernels were compiled with Triton "
+                          f"{built_with.get('triton')}; this machine has Triton "
+                          f"{machine.get('triton')}: rebuild it here with charbuild")
+
+
+def verify(path: Path, names: list[str], files: dict) -> None:
+    sums = checksums(path, names)
+    for name in names:
+        if sums[name] != files[name]:
+            raise EngineError(f"{path}: checksum mismatch in {name}: the file is damaged or "
+                              "was changed after the build; rebuild the engine")
 
 
 @dataclass
@@ -55,8 +72,16 @@ class Engine:
     target: Target
     config: EngineConfig
 
+    pending: Future | None = field(default=None, repr=False)
+
     @classmethod
-    def load(cls, path: str | Path, machine: dict | None = None) -> "Engine":
+    def load(cls, path: str | Path, machine: dict | None = None,
+             ranks: list[int] | None = None, verify_in_background: bool = False) -> "Engine":
+        """Read and check an engine. `ranks`: load only these TP ranks (a benchmark of one
+        rank's slice); by default the whole layout, which a partial build cannot serve.
+        Checksums are verified before returning, or with verify_in_background while the
+        weights load (the disk is read once for both); then `verified()` waits for them and
+        raises their error."""
         path = Path(path)
         mpath = path / MANIFEST
         if not mpath.is_file():
@@ -73,27 +98,59 @@ class Engine:
         try:
             target = Target.from_dict(manifest["target"])
             config = config_from_dict(manifest["config"])
+            built = manifest["ranks"]
+            kernels = manifest["kernels"]
         except (KeyError, TypeError, ValueError) as e:
             raise EngineError(f"{mpath}: invalid target or config ({e}); rebuild the engine") from None
-        check_machine(target, manifest.get("built_with", {}), machine or this_machine())
+        want = list(range(config.tp)) if ranks is None else sorted(set(ranks))
+        missing = sorted(set(want) - set(built))
+        if missing:
+            raise EngineError(f"{path}: built for TP rank{'s' if len(built) > 1 else ''} "
+                              f"{', '.join(map(str, built))} only (charbuild --ranks); "
+                              f"{'a session' if ranks is None else 'this run'} needs rank "
+                              f"{', '.join(map(str, missing))}: build the whole engine")
+        gpus = None if ranks is None else len(want)
+        check_machine(target, manifest.get("built_with", {}), machine or this_machine(), gpus,
+                      kernels=bool(kernels.get("compiled")))
         files = manifest.get("files", {})
-        expected = {ADALN, SIDE, *(rank_file(r) for r in range(config.tp))}
+        expected = {ADALN, SIDE, *(rank_file(r) for r in built)}
         for name in sorted(expected | set(files)):
             f = path / name
             if not f.is_file():
                 raise EngineError(f"{path}: engine file {name} is missing; rebuild the engine")
             if name not in files:
                 raise EngineError(f"{path}: the manifest lists no checksum for {name}; rebuild")
-            if sha256(f) != files[name]:
-                raise EngineError(f"{path}: checksum mismatch in {name}: the file is damaged or "
-                                  "was changed after the build; rebuild the engine")
-        return cls(path, manifest, target, config)
+        loaded = {rank_file(r) for r in want}
+        names = [n for n in sorted(files) if not n.startswith("rank") or n in loaded]
+        if not verify_in_background:
+            verify(path, names, files)
+            return cls(path, manifest, target, config)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="engine-verify")
+        pending = pool.submit(verify, path, names, files)
+        pool.shutdown(wait=False)
+        return cls(path, manifest, target, config, pending)
 
-    def rank_state(self, rank: int) -> dict[str, torch.Tensor]:
-        return load_file(str(self.path / rank_file(rank)))
+    def verified(self) -> None:
+        """Wait for background checksum verification; raise its EngineError."""
+        if self.pending is not None:
+            self.pending.result()
 
-    def adaln_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        t = load_file(str(self.path / ADALN))
+    @property
+    def kernels_compiled(self) -> bool:
+        return bool(self.manifest["kernels"].get("compiled"))
+
+    def kernel_cache(self, use_compiled: bool = True) -> KernelCache:
+        """Triton's cache over a copy of the engine's compiled kernels (empty for an engine
+        built without them, or without use_compiled: then every kernel is compiled, and
+        counted, at start)."""
+        d = self.manifest["kernels"].get("dir") if use_compiled else None
+        return KernelCache.copy_of(self.path / d) if d else KernelCache.empty()
+
+    def rank_state(self, rank: int, device="cpu") -> dict[str, torch.Tensor]:
+        return load_file(str(self.path / rank_file(rank)), device=str(device))
+
+    def adaln_tables(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        t = load_file(str(self.path / ADALN), device=str(device))
         return t["adaln_table"], t["final_table"]
 
     def side_state(self) -> dict[str, torch.Tensor]:

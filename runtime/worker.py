@@ -1,40 +1,90 @@
 """A worker holding one loaded engine (TP-1, in this process): it starts sessions from a
-reference image, a prompt and speech, and runs them through the pipeline."""
+reference image, a prompt and speech, and runs them through the pipeline.
+
+On a GPU the worker is ready only when nothing is left to compile or capture: the engine's
+compiled kernels are loaded, a warm-up session has run every code path, and the steady and
+reset step graphs are captured (`startup` says what each part took and `compiles` counts
+what had to be compiled, zero for an engine with its kernels)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from charengine import audio as audio_mod
-from charengine.config import RankShape
-from charengine.model import CharacterDiT
 from charengine.cache import KVCache
+from charengine.config import RankShape
+from charengine.graphs import GraphedStep
+from charengine.model import CharacterDiT, identity
 from charengine.sidenets import load_side
-from charengine.step import Session
+from charengine.step import Session, ar_step
+from charengine.warmup import warm_up, warm_up_side
 
 from .engine import Engine, EngineError
 from .pipeline import Pipeline, StepTimes
 
 
+def load_rank(engine: Engine, rank: int, device: torch.device, all_reduce=identity) -> Session:
+    """TP rank `rank`'s session on `device`, weights read straight onto it; on a GPU its
+    steps replay captured graphs (warm_up captures them)."""
+    cfg, spec = engine.config, engine.config.model
+    shape = RankShape.of(spec, cfg.tp, rank)
+    model = CharacterDiT(cfg, shape, engine.rank_state(rank, device), all_reduce,
+                         adaln_tables=engine.adaln_tables(device), device=device)
+    step_fn = GraphedStep() if device.type == "cuda" else ar_step
+    return Session(model, KVCache(cfg, shape.heads, device), step_fn)
+
+
 class Worker:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, rank_slice: int | None = None,
+                 engine_kernels: bool = True):
+        """`rank_slice`: run one TP rank of a TP engine alone on the first device, its
+        all-reduce left out (a benchmark of one rank's work; its frames are not the model's).
+        `engine_kernels=False` ignores the engine's compiled kernels and compiles every one
+        at start, as a JIT worker does (the start-up benchmark's comparison)."""
+        t0 = time.perf_counter()
         cfg = self.cfg = engine.config
-        if cfg.tp != 1:
-            raise EngineError(f"engine {engine.target.name} is TP-{cfg.tp}: this charrun runs "
-                              "TP-1 engines in one process")
         devices = engine.target.rank_devices()
-        self.device = torch.device(devices["tp"][0])
-        self.decoder_device = torch.device(devices["decoder"])
-        spec = cfg.model
-        shape = RankShape.of(spec, 1, 0)
-        model = CharacterDiT(cfg, shape, engine.rank_state(0), adaln_tables=engine.adaln_tables(),
-                             device=self.device)
-        self.session = Session(model, KVCache(cfg, shape.heads, self.device))
-        self.side = load_side(spec, engine.side_state(), self.decoder_device)
-        self.spec = spec
+        if rank_slice is None:
+            if cfg.tp != 1:
+                raise EngineError(f"engine {engine.target.name} is TP-{cfg.tp}: this charrun "
+                                  "runs TP-1 engines in one process")
+            rank_slice = 0
+            self.device = torch.device(devices["tp"][0])
+            self.decoder_device = torch.device(devices["decoder"])
+        else:
+            self.device = self.decoder_device = torch.device(devices["decoder"])
+        self.kernels = engine.kernel_cache(engine_kernels).activate() \
+            if self.device.type == "cuda" else None
+        self.spec = spec = cfg.model
+        try:
+            self.session = load_rank(engine, rank_slice, self.device)
+            self.side = load_side(spec, engine.side_state(), self.decoder_device)
+        except Exception:
+            engine.verified()  # a damaged file is reported as the checksum says
+            raise
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        engine.verified()
+        t1 = time.perf_counter()
+        steps = 0
+        if self.device.type == "cuda":
+            steps = warm_up(self.session)
+            warm_up_side(self.side, spec, self.decoder_device)
+        self.startup = {"load_s": t1 - t0, "warm_up_s": time.perf_counter() - t1,
+                        "warm_up_steps": steps}
+
+    @property
+    def compiles(self) -> int:
+        """Kernels compiled (and torch.compile graphs made) since this worker started."""
+        return self.kernels.compiles if self.kernels is not None else 0
 
     def close(self) -> None:
-        """Nothing to release (a DistributedWorker stops its rank processes here)."""
+        """Release the kernel cache (a DistributedWorker stops its rank processes here)."""
+        if self.kernels is not None:
+            self.kernels.close()
+            self.kernels = None
 
     @torch.inference_mode()
     def start(self, image: torch.Tensor, prompt: str) -> None:

@@ -9,11 +9,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ROOT / "engines" / "targets"
 
 
-def build_target(tmp: Path, target_file: str = "cpu-tiny", **overrides) -> Path:
-    """Build the target file's engine (with fields overridden) under tmp."""
+def build_target(tmp: Path, target_file: str = "cpu-tiny", ranks=None, kernels=False,
+                 **overrides) -> Path:
+    """Build the target file's engine (with fields overridden) under tmp; a GPU target's
+    kernels are compiled only when asked (that needs its GPU)."""
     target = Target.from_toml(TARGETS / f"{target_file}.toml")
     if overrides:
         target = Target.from_dict({**target.to_dict(), **overrides})
     out = tmp / target.name
-    build(target, out, seed=0, log=lambda s: None)
+    build(target, out, seed=0, log=lambda s: None, ranks=ranks, kernels=kernels)
     return out

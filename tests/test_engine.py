@@ -30,8 +30,10 @@ def copy(engine_dir, tmp_path):
 
 def test_engine_holds_manifest_rank_weights_and_tables(engine_dir):
     m = json.loads((engine_dir / "manifest.json").read_text())
-    assert m["format_version"] == 1 and m["tp"] == 1 and m["target"]["name"] == "cpu-tiny"
+    assert m["format_version"] == 2 and m["tp"] == 1 and m["target"]["name"] == "cpu-tiny"
     assert set(m["files"]) == {"rank0.safetensors", "adaln.safetensors", "side.safetensors"}
+    assert m["ranks"] == [0] and m["kernels"]["compiled"] is False  # a CPU target has none
+    assert m["files"]["rank0.safetensors"]["bytes"] == (engine_dir / "rank0.safetensors").stat().st_size
     assert m["built_with"]["torch"] == torch.__version__
     assert m["rank_devices"] == {"decoder": "cpu", "tp": ["cpu"]}
     rank = load_file(str(engine_dir / "rank0.safetensors"))
@@ -55,7 +57,7 @@ def test_format_version_mismatch(copy):
     m = json.loads((copy / "manifest.json").read_text())
     m["format_version"] = 99
     (copy / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(EngineError, match="engine format 99, this charrun reads format 1"):
+    with pytest.raises(EngineError, match="engine format 99, this charrun reads format 2"):
         Engine.load(copy)
 
 
@@ -150,3 +152,66 @@ def test_charbuild_cli_builds_and_explains_bad_input(tmp_path):
     r = subprocess.run(charbuild + ["--target", "h100-tp3", "--out", str(tmp_path / "i")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "h100-tp3 needs --weights" in r.stderr
+
+
+def test_a_gpu_engine_is_not_built_without_its_gpu_unless_kernels_are_left_out(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    charbuild = [sys.executable, "-m", "charengine.builder.cli", "--target", "h200-tp1",
+                 "--preset", "tiny", "--random-weights"]
+    r = subprocess.run(charbuild + ["--out", str(tmp_path / "a")], capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "target h200-tp1 runs on sm_90: its kernels are compiled on that GPU and this " \
+           "machine has no CUDA GPU" in r.stderr
+    assert not (tmp_path / "a").exists()
+    r = subprocess.run(charbuild + ["--no-kernels", "--out", str(tmp_path / "b")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "b/manifest.json").read_text())["kernels"]["compiled"] is False
+
+
+def test_a_rank_slice_engine_loads_its_rank_and_is_refused_for_a_session(tmp_path):
+    d = build_target(tmp_path, "h100-tp3", preset="tiny", ranks=[1])
+    assert sorted(p.name for p in d.glob("rank*")) == ["rank1.safetensors"]
+    m = json.loads((d / "manifest.json").read_text())
+    one_gpu = {**this_machine(), "gpu_count": 1, "gpu_arch": "sm_90", "gpu_name": "NVIDIA H200",
+               "cuda": m["built_with"]["cuda"]}
+    e = Engine.load(d, machine=one_gpu, ranks=[1])
+    assert e.rank_state(1)["blocks.0.w_in.q"].dtype == torch.float8_e4m3fn
+    with pytest.raises(EngineError, match=r"built for TP rank 1 only \(charbuild --ranks\); a "
+                                          r"session needs rank 0, 2: build the whole engine"):
+        Engine.load(d, machine={**one_gpu, "gpu_count": 4})
+    with pytest.raises(EngineError, match="this run needs rank 0"):
+        Engine.load(d, machine=one_gpu, ranks=[0])
+
+
+def test_kernels_from_another_triton_are_refused(tmp_path):
+    t = Target.from_toml(TARGETS / "h200-tp1.toml")
+    h200 = {"gpu_count": 1, "gpu_arch": "sm_90", "gpu_name": "NVIDIA H200", "torch": "2.11.0",
+            "cuda": "13.0", "triton": "3.6.0"}
+    built = {"torch": "2.11.0", "cuda": "13.0", "triton": "3.5.1"}
+    check_machine(t, built, h200)  # no compiled kernels: Triton's version does not matter
+    with pytest.raises(EngineError, match="kernels were compiled with Triton 3.5.1; this machine "
+                                          "has Triton 3.6.0: rebuild it here with charbuild"):
+        check_machine(t, built, h200, kernels=True)
+
+
+def test_a_damaged_chunk_anywhere_in_a_file_is_found(copy):
+    f = copy / "side.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="checksum mismatch in side.safetensors"):
+        Engine.load(copy)
+
+
+def test_checksums_verified_while_the_weights_load_stop_the_worker(copy):
+    from charengine.runtime.worker import Worker
+
+    f = copy / "rank0.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01  # inside a tensor: the weights still load
+    f.write_bytes(bytes(data))
+    engine = Engine.load(copy, verify_in_background=True)
+    with pytest.raises(EngineError, match="checksum mismatch in rank0.safetensors"):
+        Worker(engine)

@@ -12,13 +12,12 @@ Bounds, and why:
   (bf16) and none by more.
 """
 
-import dataclasses
 
 import pytest
 import torch
 
 from charengine import fp8
-from charengine.config import TINY, Switches, preset
+from charengine.config import PRESETS, Switches, preset
 from charengine.plugins import act_quant, attention, delta_rotation, fp8_gemm, pre_attention
 from charengine.rope import cos_sin
 from rollout import rel_err
@@ -189,7 +188,7 @@ def test_step_with_kernels_matches_the_plain_step():
     calibration and a reset: every kernel switch on against every one off."""
     from test_gpu import run
 
-    spec = dataclasses.replace(TINY, name="tiny-d64", dim=128, n_heads=2, rope_split=(22, 20, 22))
+    spec = PRESETS["tiny-d64"]
     off = Switches(fused_pre_attention=False, fused_act_quant=False, fp8_attention_kernel=False,
                    fused_delta_rotation=False)
     kernels = run(preset("tiny").replace(model=spec), DEV)

@@ -62,3 +62,22 @@ def test_checkpoint_for_another_preset_is_refused(tmp_path):
     save_file(random_weights(PRESETS["tiny-10h"], 0), str(tmp_path / "o.safetensors"))
     with pytest.raises(CheckpointError, match="has shape"):
         load_checkpoint(tmp_path / "o.safetensors", SPEC)
+
+
+def test_rank_weights_made_one_tensor_at_a_time_equal_the_sharded_checkpoint():
+    from charengine.config import RankShape
+    from charengine.weights import RandomWeights, quantize_block_linears, rank_weights, shard
+
+    spec = PRESETS["tiny-10h"]
+    q = quantize_block_linears(spec, random_weights(spec, 0))
+    for r in range(3):
+        shape = RankShape.of(spec, 3, r)
+        want = shard(spec, q, shape)
+        got = rank_weights(spec, RandomWeights(spec, 0), shape)
+        assert set(got) == set(want)
+        for name in want:
+            assert torch.equal(got[name].view(torch.uint8) if got[name].dtype == torch.float8_e4m3fn
+                               else got[name], want[name].view(torch.uint8)
+                               if want[name].dtype == torch.float8_e4m3fn else want[name]), name
+    lean = rank_weights(spec, RandomWeights(spec, 0), RankShape.of(spec, 3, 0), keep_adaln=False)
+    assert not any("adaln" in n for n in lean) and "time_mlp.0.weight" in lean
