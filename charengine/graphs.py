@@ -32,10 +32,11 @@ class GraphedStep:
                 self.outputs[reset] = ar_step(model, cache, self.noise, self.audio, reset=reset)
             self.graphs[reset] = g
 
-    def __call__(self, model, cache, noise, audio, reset: bool = False, masked: bool = False):
+    def __call__(self, model, cache, noise, audio, reset: bool = False, masked: bool = False,
+                 filled: int | None = None):
         steady = not masked and (cache.quantized or not model.cfg.switches.fp8_kv)
         if not steady:
-            return ar_step(model, cache, noise, audio, reset=reset, masked=masked)
+            return ar_step(model, cache, noise, audio, reset=reset, masked=masked, filled=filled)
         if not self.warm:  # a real step, run eagerly: kernels load, workspaces are allocated
             self.noise, self.audio = noise.clone(), audio.clone()
             out = ar_step(model, cache, noise, audio, reset=reset)

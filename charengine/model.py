@@ -88,7 +88,10 @@ class CharacterDiT(torch.nn.Module):
 
     def __init__(self, cfg: EngineConfig, rank: RankShape, state: dict[str, torch.Tensor],
                  all_reduce: AllReduce = identity, adaln_tables=None, device="cpu",
-                 attention_tiles=None):
+                 attention_tiles=None, fused_gemm_allreduce=None):
+        """`fused_gemm_allreduce`: the fused output projection + all-reduce of this rank's
+        TP group (plugins/gemm_allreduce.py), given by a loader that has the group; without
+        it the GEMM is followed by `all_reduce`."""
         super().__init__()
         from .plugins import act_quant, attention, gemm_allreduce, pre_attention
 
@@ -112,7 +115,9 @@ class CharacterDiT(torch.nn.Module):
                              persistent=False)
         dev = torch.device(device)
         self.pre_attention = pre_attention.select(dev) if sw.fused_pre_attention else None
-        self.gemm_allreduce = gemm_allreduce.select(dev) if sw.fused_gemm_allreduce else None
+        self.gemm_allreduce = None
+        if sw.fused_gemm_allreduce:
+            self.gemm_allreduce = fused_gemm_allreduce or gemm_allreduce.select(dev)
         self.act = act_quant.select(dev) if sw.fused_act_quant else act_quant.plain()
         self.fp8_attention = attention.select(dev, spec.head_dim, attention_tiles) \
             if sw.fp8_attention_kernel and sw.fp8_kv else None
@@ -233,11 +238,15 @@ class CharacterDiT(torch.nn.Module):
         return h + mod[2] * o
 
     # ---- forwards -----------------------------------------------------------------------
-    def frame_block(self, b: int, p: int, h, cond: StepConditioning, cache: KVCache, mask):
+    def frame_block(self, b: int, p: int, h, cond: StepConditioning, cache: KVCache, mask,
+                    slots: int | None = None):
+        """`mask` [S] bool or `slots` (attend to the first `slots` slots) while the window
+        fills; neither in the steady state."""
         bp = b * self.cfg.schedule.passes + p
         mod = self.modulation(b, p, cond)
         q, k, v, g, u = self.qkv_mlp(b, h, mod)
-        fp8_attention = self.fp8_attention is not None and cache.quantized and mask is None
+        fp8_attention = self.fp8_attention is not None and cache.quantized and mask is None \
+            and slots is None
         with self.scope("pre_attention"):
             q = self.pre_attention_write(b, bp, q, k, v, cond, cache, fp8_attention)
         if fp8_attention:
@@ -245,6 +254,8 @@ class CharacterDiT(torch.nn.Module):
         else:
             with self.scope("cache_upkeep"):
                 kc, vc = cache.read(bp, cond.key_cos_sin)
+                if slots is not None:
+                    kc, vc = kc[:, :slots], vc[:, :slots]
             o = self.attend(q, kc, vc, mask)
         return self.finish_block(b, h, o, g, u, mod)
 
@@ -272,12 +283,12 @@ class CharacterDiT(torch.nn.Module):
         return q
 
     def forward_frame(self, x: torch.Tensor, p: int, cond: StepConditioning, cache: KVCache,
-                      mask=None) -> torch.Tensor:
+                      mask=None, slots: int | None = None) -> torch.Tensor:
         """Velocity for the new latent's tokens x [video_tokens, patch_dim] at pass p; writes
         the frame's K/V into caches (block, p)."""
         h = torch.cat([self.dense(x, "patch_embed"), cond.audio])
         for b in range(self.spec.n_blocks):
-            h = self.frame_block(b, p, h, cond, cache, mask)
+            h = self.frame_block(b, p, h, cond, cache, mask, slots)
         shift, scale = self.final_modulation(p, cond)
         hv = h[: self.spec.video_tokens]
         hv = F.layer_norm(hv, (self.spec.dim,), eps=self.spec.norm_eps) * (1 + scale) + shift

@@ -16,21 +16,28 @@ from .model import CharacterDiT, patchify, unpatchify
 
 
 def ar_step(model: CharacterDiT, cache: KVCache, noise: torch.Tensor, audio: torch.Tensor,
-            reset: bool = False, masked: bool = False) -> torch.Tensor:
+            reset: bool = False, masked: bool = False, filled: int | None = None) -> torch.Tensor:
     """Denoise one latent from `noise` [C, H, W] conditioned on `audio` features
-    [audio_tokens, audio_dim]; returns the clean latent (fp32)."""
+    [audio_tokens, audio_dim]; returns the clean latent (fp32).
+
+    While the window fills (`masked`), attention sees only the slots written so far. With
+    the ring cache and `filled` (the frames written once this step's is, known to the
+    host from its step count) those are the first G + filled * T slots: attention reads that
+    prefix with no mask, so the fast SDPA backends serve it; otherwise a device-side mask."""
     cfg, spec = model.cfg, model.spec
     with model.scope("cache_upkeep"):
         if reset:
             cache.delta_rotate(model.rope)
         if not cfg.switches.ring_cache:
             cache.advance_window()
-    mask = cache.valid_mask() if masked else None
+    prefix = masked and filled is not None and cfg.switches.ring_cache
+    mask = cache.valid_mask() if masked and not prefix else None
+    slots = cache.G + filled * cache.T if prefix else None
     x = patchify(noise.float(), spec.patch)
     cond = model.conditioning(audio, cache) if cfg.switches.conditioning_cache else None
     for p, sigma in enumerate(cfg.schedule.sigmas):
         c = cond if cond is not None else model.conditioning(audio, cache)
-        v = model.forward_frame(x, p, c, cache, mask)
+        v = model.forward_frame(x, p, c, cache, mask, slots)
         x = x + (cfg.schedule.next_sigma(p) - sigma) * v
     cache.end_step()
     return unpatchify(x, spec.latent_channels, spec.latent_h, spec.latent_w, spec.patch)
@@ -65,6 +72,8 @@ class Session:
         if self.cfg.switches.fp8_kv and self.k == cc.calibration_steps:
             self.cache.calibrate()
         reset, masked = self.phase()
-        out = self.step_fn(self.model, self.cache, noise, audio, reset=reset, masked=masked)
+        filled = self.k + 1 if masked else None
+        out = self.step_fn(self.model, self.cache, noise, audio, reset=reset, masked=masked,
+                           filled=filled)
         self.k += 1
         return out

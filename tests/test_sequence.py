@@ -33,8 +33,8 @@ def test_sequence_forward_equals_the_engines_steps():
     seen = []  # (pass, input tokens, velocity) of every forward the engine runs
     forward = s.model.forward_frame
 
-    def recorded(x, p, cond, cache, mask=None):
-        v = forward(x, p, cond, cache, mask)
+    def recorded(x, p, cond, cache, mask=None, slots=None):
+        v = forward(x, p, cond, cache, mask, slots)
         seen.append((p, x.clone(), v.clone()))
         return v
 

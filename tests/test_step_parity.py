@@ -27,8 +27,8 @@ def test_each_cumulative_arm_equals_baseline_in_fp32(baseline_fp32, upto):
 
 def test_skipping_the_delta_rotation_breaks_parity(baseline_fp32):
     """The parity test can fail: without the reset's rotation, steps from 42 on differ."""
-    def no_rotation(model, cache, noise, audio, reset=False, masked=False):
-        return ar_step(model, cache, noise, audio, reset=False, masked=masked)
+    def no_rotation(model, cache, noise, audio, reset=False, masked=False, filled=None):
+        return ar_step(model, cache, noise, audio, reset=False, masked=masked, filled=filled)
 
     out = rollout(preset("tiny", switches=Switches(fp8_kv=False), numerics=FP32), STEPS,
                   step_fn=no_rotation)
@@ -89,3 +89,15 @@ def test_fp8_cache_rotates_each_window_key_at_most_once():
         assert torch.equal(before[:, :, :G], after[:, :, :G])  # global keys never move
     assert all(n == 1 for n in changes.values())
     assert set(changes) == {f for f in range(STEPS) if any(0 < r - f < W for r in (42, 84))}
+
+
+def test_filling_steps_read_a_prefix_equal_to_the_masked_read():
+    """While the window fills, the ring's written slots are a prefix of the cache: reading it
+    without a mask gives the masked read's result (and could not if it were one frame off)."""
+    cfg = preset("tiny", switches=Switches(fp8_kv=False), numerics=FP32)
+
+    def device_mask(model, cache, noise, audio, reset=False, masked=False, filled=None):
+        return ar_step(model, cache, noise, audio, reset=reset, masked=masked)
+
+    steps = cfg.cache.window + 1
+    assert rel_err(rollout(cfg, steps, step_fn=device_mask), rollout(cfg, steps)).max() < 1e-5
