@@ -30,6 +30,8 @@ from charengine import audio as audio_mod
 
 from .engine import Engine
 from .pipeline import StepTimes
+from charengine.warmup import warm_up, warm_up_side
+
 from .worker import load_rank
 
 CMD_STEPS, CMD_STOP = 1, 2
@@ -46,16 +48,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def fused_exchange(cfg, tp_group, device: torch.device):
+    """The fused GEMM + all-reduce of a GPU TP group, bound once to the steady-state shape
+    (collective over the group), or None where the plain GEMM-then-NCCL path applies."""
+    from charengine.plugins import gemm_allreduce
+
+    world = dist.get_world_size(tp_group)
+    steady = (cfg.model.tokens_per_frame, cfg.model.dim)
+    if not (cfg.switches.fused_gemm_allreduce
+            and gemm_allreduce.use_fused(device, world, steady, steady, True)):
+        return None
+    x = gemm_allreduce.Exchange.symmetric(tp_group, *steady, device)
+    return gemm_allreduce.SymmetricGemmAllReduce(x)
+
+
 def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: float,
-                  log_dir: str):
-    """A TP rank's process: global rank = rank + 1."""
+                  ready_timeout_s: float, log_dir: str):
+    """A TP rank's process: global rank = rank + 1. Control and hand-offs to rank 0 go over
+    gloo on CPU tensors; the TP group's all-reduce is NCCL on GPUs (or the fused kernel at
+    the steady shape), gloo on CPU."""
     torch.set_num_threads(1)
     grank = rank + 1
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=grank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-        tp_group = dist.new_group(list(range(1, world)))
         engine = Engine.load(engine_dir)
+        device = torch.device(engine.target.rank_devices()["tp"][rank])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=grank,
+                                world_size=world, timeout=timeout)
+        tp_group = dist.new_group(list(range(1, world)), timeout=timeout,
+                                  backend="nccl" if device.type == "cuda" else "gloo")
 
         def all_reduce(t):
             dist.all_reduce(t, group=tp_group)
@@ -63,7 +86,12 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
 
         cfg = engine.config
         spec = cfg.model
-        session = load_rank(engine, rank, torch.device("cpu"), all_reduce)
+        kernels = engine.kernel_cache().activate() if device.type == "cuda" else None
+        fused = fused_exchange(cfg, tp_group, device) if device.type == "cuda" else None
+        session = load_rank(engine, rank, device, all_reduce, fused)
+        if device.type == "cuda":
+            warm_up(session)  # in step with the other TP ranks: the same collectives
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=ready_timeout_s))
         lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
         times = []
         with torch.inference_mode():
@@ -77,15 +105,16 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                 prompt = torch.empty(spec.prompt_tokens, spec.text_dim)
                 dist.broadcast(ref, 0)
                 dist.broadcast(prompt, 0)
-                session.start(ref, prompt)
-                g = torch.Generator().manual_seed(seed)
+                session.start(ref.to(device), prompt.to(device))
+                g = torch.Generator().manual_seed(seed)  # the same noise on every rank
                 pending = None
                 times.clear()
                 for i in range(steps):
                     feats = torch.empty(spec.audio_tokens, spec.audio_dim)
                     dist.broadcast(feats, 0)
                     t0 = time.monotonic()
-                    latent = session.step(torch.randn(lat, generator=g), feats)
+                    latent = session.step(torch.randn(lat, generator=g).to(device),
+                                          feats.to(device)).cpu()
                     times.append((t0, time.monotonic()))
                     if rank == 0:
                         if pending is not None:
@@ -95,6 +124,8 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                     pending.wait()
                 if rank == 0:
                     dist.send(torch.tensor(times, dtype=torch.float64).reshape(-1, 2), 0)
+        if kernels is not None:
+            kernels.close()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - written for rank 0 to report
         with open(os.path.join(log_dir, f"rank{grank}.err"), "w") as f:
@@ -106,14 +137,19 @@ class DistributedWorker:
     """Rank 0 of a TP engine: drives sessions on ranks 1..tp, decodes, hands frames to a sink.
     Same interface as Worker (start, run) so render() and charrun use either."""
 
-    def __init__(self, engine: Engine, timeout_s: float = 60.0, log_dir: str | None = None):
+    def __init__(self, engine: Engine, timeout_s: float = 60.0, log_dir: str | None = None,
+                 ready_timeout_s: float = 600.0):
+        """`timeout_s` bounds every hand-off in a session (a hung rank); `ready_timeout_s`
+        bounds the ranks' start: weights, kernels, warm-up."""
         from charengine.sidenets import load_side
 
         engine.verified()
         self.engine, self.cfg, self.spec = engine, engine.config, engine.config.model
-        self.timeout_s = timeout_s
-        self.side = load_side(self.spec, engine.side_state())
-        self.decoder_device = torch.device("cpu")
+        self.timeout_s, self.ready_timeout_s = timeout_s, ready_timeout_s
+        self.decoder_device = torch.device(engine.target.rank_devices()["decoder"])
+        self.side = load_side(self.spec, engine.side_state(), self.decoder_device)
+        if self.decoder_device.type == "cuda":
+            warm_up_side(self.side, self.spec, self.decoder_device)
         self.log_dir = log_dir or os.path.join("/tmp", f"charengine-ranks-{os.getpid()}")
         os.makedirs(self.log_dir, exist_ok=True)
         self.ctx = None
@@ -125,12 +161,19 @@ class DistributedWorker:
         world = self.cfg.tp + 1
         port = free_port()
         self.ctx = mp.start_processes(
-            _tp_rank_main, args=(world, port, str(self.engine.path), self.timeout_s, self.log_dir),
+            _tp_rank_main, args=(world, port, str(self.engine.path), self.timeout_s,
+                                 self.ready_timeout_s, self.log_dir),
             nprocs=self.cfg.tp, join=False, start_method="spawn")
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=world,
-                                timeout=datetime.timedelta(seconds=self.timeout_s))
-        dist.new_group(list(range(1, world)))  # every rank joins every group's creation
+                                world_size=world, timeout=timeout)
+        # every rank joins every group's creation, with the TP ranks' backend
+        dist.new_group(list(range(1, world)), timeout=timeout,
+                       backend="nccl" if self.engine.target.device == "cuda" else "gloo")
+        try:  # ready: every rank has loaded and warmed up
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.ready_timeout_s))
+        except RuntimeError as e:
+            raise self._failure(e) from None
 
     def _failure(self, e: BaseException) -> RankFailure:
         """Tear the group down after a fault; describe it in one line."""
@@ -169,8 +212,9 @@ class DistributedWorker:
         if self.ctx is None:  # the last session ended in a fault: a fresh group
             self._launch()
         self.side.decoder.reset()
-        self.pending_start = (self.side.image_encoder(image).contiguous(),
-                              self.side.text_encoder(prompt).contiguous())
+        self.pending_start = (
+            self.side.image_encoder(image.to(self.decoder_device)).cpu().contiguous(),
+            self.side.text_encoder(prompt).cpu().contiguous())
 
     @torch.inference_mode()
     def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
@@ -184,14 +228,15 @@ class DistributedWorker:
             for i in range(steps + 1):
                 if i < steps:
                     t0 = time.monotonic()
-                    feats = self.side.audio_encoder(audio_mod.step_window(spec, speech, i))
+                    window = audio_mod.step_window(spec, speech, i).to(self.decoder_device)
+                    feats = self.side.audio_encoder(window).cpu().contiguous()
                     times.audio.append((t0, time.monotonic()))
-                    dist.broadcast(feats.contiguous(), 0)
+                    dist.broadcast(feats, 0)
                 if i >= 1:
                     latent = torch.empty(lat)
                     dist.recv(latent, 1)
                     t0 = time.monotonic()
-                    frames = self.side.decoder(latent)
+                    frames = self.side.decoder(latent.to(self.decoder_device)).cpu()
                     times.decode.append((t0, time.monotonic()))
                     t0 = time.monotonic()
                     sink(i - 1, frames)

@@ -25,13 +25,15 @@ from .engine import Engine, EngineError
 from .pipeline import Pipeline, StepTimes
 
 
-def load_rank(engine: Engine, rank: int, device: torch.device, all_reduce=identity) -> Session:
+def load_rank(engine: Engine, rank: int, device: torch.device, all_reduce=identity,
+              fused_gemm_allreduce=None) -> Session:
     """TP rank `rank`'s session on `device`, weights read straight onto it; on a GPU its
     steps replay captured graphs (warm_up captures them)."""
     cfg, spec = engine.config, engine.config.model
     shape = RankShape.of(spec, cfg.tp, rank)
     model = CharacterDiT(cfg, shape, engine.rank_state(rank, device), all_reduce,
-                         adaln_tables=engine.adaln_tables(device), device=device)
+                         adaln_tables=engine.adaln_tables(device), device=device,
+                         fused_gemm_allreduce=fused_gemm_allreduce)
     step_fn = GraphedStep() if device.type == "cuda" else ar_step
     return Session(model, KVCache(cfg, shape.heads, device), step_fn)
 
