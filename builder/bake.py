@@ -12,14 +12,33 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 from charengine.config import config_from_dict
 from charengine.engine_format import ADALN, MANIFEST, TRITON_KERNELS, rank_file
 from charengine.graphs import GraphedStep
 from charengine.kernel_cache import KernelCache
+from charengine.plugins import fp8_gemm
 from charengine.rank import make_session
 from charengine.warmup import warm_up
+
+
+def gemm_plan(cfg, state: dict) -> tuple[dict, dict]:
+    """Per block linear, the faster GEMM at the steady shape over the rank's own weights:
+    (choices, microseconds of each candidate)."""
+    spec = cfg.model
+    if not cfg.numerics.fp8_gemm:
+        return {}, {}
+    plan, times = {}, {}
+    for kind in ("w_in", "w_out"):
+        weights = [(state[f"blocks.{i}.{kind}.q"], state[f"blocks.{i}.{kind}.scale"])
+                   for i in range(spec.n_blocks)]
+        times[kind] = fp8_gemm.time_choices(weights, spec.tokens_per_frame,
+                                            getattr(torch, cfg.numerics.dtype),
+                                            cfg.numerics.fast_accum)
+        plan[kind] = fp8_gemm.choose(times[kind])
+    return plan, times
 
 
 def bake(engine: Path, rank: int) -> dict:
@@ -28,10 +47,13 @@ def bake(engine: Path, rank: int) -> dict:
     with KernelCache(engine / TRITON_KERNELS) as cache:
         state = load_file(str(engine / rank_file(rank)), device="cuda")
         tables = load_file(str(engine / ADALN), device="cuda")
+        plan, times = gemm_plan(cfg, state)
         session = make_session(cfg, state, rank, device="cuda", step_fn=GraphedStep(),
-                               adaln_tables=(tables["adaln_table"], tables["final_table"]))
+                               adaln_tables=(tables["adaln_table"], tables["final_table"]),
+                               gemm_plan=plan)
         steps = warm_up(session)
     return {"rank": rank, "steps": steps, "seconds": round(time.perf_counter() - t0, 2),
+            "gemm_plan": plan, "gemm_us": times,
             "compiled": sorted(cache.compiled), "found": sorted(cache.loaded)}
 
 

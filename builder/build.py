@@ -21,6 +21,8 @@ from charengine.sidenets import PREFIXES, SideNets, random_side_state
 from charengine.target import Target
 from charengine.weights import RandomWeights, load_checkpoint, param_shapes, rank_weights
 
+from .so_check import StaticLibstdcxx, check_shared_objects
+
 
 class BuildError(ValueError):
     pass
@@ -51,7 +53,9 @@ def bake_kernels(engine: Path, rank: int, log) -> dict:
         raise BuildError(f"rank {rank}: the kernel warm-up failed:\n{tail}")
     result = json.loads(r.stdout.strip().splitlines()[-1])
     log(f"rank {rank}: {len(result['compiled'])} kernels compiled in a {result['steps']}-step "
-        f"warm-up ({result['seconds']:.1f} s)")
+        f"warm-up ({result['seconds']:.1f} s); GEMM per shape: " +
+        ", ".join(f"{k} {c} ({result['gemm_us'][k][c]:.1f} us)" for k, c in
+                  result["gemm_plan"].items()))
     return result
 
 
@@ -124,12 +128,20 @@ def build(target: Target, out: Path, weights: Path | None = None, seed: int | No
             manifest_of(target, cfg, ranks, source, side_source, kernels, {})))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the warm-up process loads the rank again
+        def shape_of(r):
+            return RankShape.of(spec, cfg.tp, r).heads, RankShape.of(spec, cfg.tp, r).mlp
+
         shapes = {}
-        for r in ranks:  # ranks of one shape share their kernels
-            shapes.setdefault((RankShape.of(spec, cfg.tp, r).heads,
-                               RankShape.of(spec, cfg.tp, r).mlp), r)
+        for r in ranks:  # ranks of one shape share their kernels and GEMM choices
+            shapes.setdefault(shape_of(r), r)
+        warm = {r: bake_kernels(tmp, r, log) for r in shapes.values()}
         kernels = {"compiled": True, "dir": TRITON_KERNELS,
-                   "warm_up": {str(r): bake_kernels(tmp, r, log) for r in shapes.values()}}
+                   "warm_up": {str(r): w for r, w in warm.items()},
+                   "gemm_plan": {str(r): warm[shapes[shape_of(r)]]["gemm_plan"] for r in ranks}}
+        try:
+            kernels["shared_objects_checked"] = check_shared_objects(tmp / TRITON_KERNELS)
+        except StaticLibstdcxx as e:
+            raise BuildError(str(e)) from None
     manifest = manifest_of(target, cfg, ranks, source, side_source, kernels,
                            checksums(tmp, engine_files(tmp)))
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -88,12 +88,13 @@ class CharacterDiT(torch.nn.Module):
 
     def __init__(self, cfg: EngineConfig, rank: RankShape, state: dict[str, torch.Tensor],
                  all_reduce: AllReduce = identity, adaln_tables=None, device="cpu",
-                 attention_tiles=None, fused_gemm_allreduce=None):
+                 attention_tiles=None, fused_gemm_allreduce=None, gemm_plan=None):
         """`fused_gemm_allreduce`: the fused output projection + all-reduce of this rank's
         TP group (plugins/gemm_allreduce.py), given by a loader that has the group; without
-        it the GEMM is followed by `all_reduce`."""
+        it the GEMM is followed by `all_reduce`. `gemm_plan`: the engine's per-shape GEMM
+        choice for each block linear ("w_in", "w_out") at M = tokens per frame."""
         super().__init__()
-        from .plugins import act_quant, attention, gemm_allreduce, pre_attention
+        from .plugins import act_quant, attention, fp8_gemm, pre_attention
 
         spec = self.spec = cfg.model
         self.cfg, self.rank = cfg, rank
@@ -115,12 +116,14 @@ class CharacterDiT(torch.nn.Module):
                              persistent=False)
         dev = torch.device(device)
         self.pre_attention = pre_attention.select(dev) if sw.fused_pre_attention else None
-        self.gemm_allreduce = None
-        if sw.fused_gemm_allreduce:
-            self.gemm_allreduce = fused_gemm_allreduce or gemm_allreduce.select(dev)
+        # the fused exchange comes from a loader with a GPU TP group; otherwise the GEMM
+        # (per the plan) is followed by the all-reduce, plugins/gemm_allreduce.reference
+        self.gemm_allreduce = fused_gemm_allreduce if sw.fused_gemm_allreduce else None
         self.act = act_quant.select(dev) if sw.fused_act_quant else act_quant.plain()
         self.fp8_attention = attention.select(dev, spec.head_dim, attention_tiles) \
             if sw.fp8_attention_kernel and sw.fp8_kv else None
+        self.gemm_plan = dict(gemm_plan or {})
+        self.planned_gemm = {kind: fp8_gemm.op(c) for kind, c in self.gemm_plan.items()}
         self.annotate = False  # label regions for torch.profiler (benchmarks set it)
 
     def scope(self, name: str):
@@ -152,8 +155,11 @@ class CharacterDiT(torch.nn.Module):
         if reduce is not None and self.gemm_allreduce is not None:
             with self.scope("fp8_gemm"):
                 return self.gemm_allreduce(aq, a_s, wq, ws, self.dtype, nm.fast_accum, reduce)
+        gemm = fp8.scaled_mm
+        if aq.shape[0] == self.spec.tokens_per_frame:  # the shape the plan was measured at
+            gemm = self.planned_gemm.get(name.rsplit(".", 1)[1], gemm)
         with self.scope("fp8_gemm"):
-            out = fp8.scaled_mm(aq, a_s, wq, ws, self.dtype, nm.fast_accum)
+            out = gemm(aq, a_s, wq, ws, self.dtype, nm.fast_accum)
         return self.reduced(out, reduce)
 
     def reduced(self, out: torch.Tensor, reduce: AllReduce | None) -> torch.Tensor:

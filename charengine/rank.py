@@ -16,8 +16,9 @@ def rank_state(cfg: EngineConfig, full_state, rank: int = 0):
 
 
 def make_session(cfg: EngineConfig, state, rank: int = 0, all_reduce=identity, device="cpu",
-                 step_fn=ar_step, adaln_tables=None) -> Session:
+                 step_fn=ar_step, adaln_tables=None, gemm_plan=None) -> Session:
     """`state` is a rank state (rank_state)."""
     shape = RankShape.of(cfg.model, cfg.tp, rank)
-    model = CharacterDiT(cfg, shape, state, all_reduce, adaln_tables, device)
+    model = CharacterDiT(cfg, shape, state, all_reduce, adaln_tables, device,
+                         gemm_plan=gemm_plan)
     return Session(model, KVCache(cfg, shape.heads, device), step_fn)

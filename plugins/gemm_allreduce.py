@@ -20,11 +20,11 @@ NCCL's bf16 all-reduce does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from charengine import fp8
+
+from .fp8_gemm import GemmTiles
 
 
 def reference(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
@@ -42,16 +42,6 @@ def use_fused(device: torch.device, world: int, shape: tuple[int, int],
     return device.type == "cuda" and world > 1 and symmetric_memory and shape == steady
 
 
-@dataclass(frozen=True)
-class Tiles:
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 128
-    group_m: int = 8
-    warps: int = 8
-    stages: int = 4
-
-
 class Exchange:
     """One rank's view of the exchange buffers: its own data and flags, the addresses of
     every rank's (as this process maps them) and the epoch counter."""
@@ -63,11 +53,11 @@ class Exchange:
         self.epoch = torch.zeros((), dtype=torch.int64, device=data.device)
 
     @staticmethod
-    def tiles(m: int, n: int, t: Tiles) -> int:
+    def tiles(m: int, n: int, t: GemmTiles) -> int:
         return -(-m // t.block_m) * -(-n // t.block_n)
 
     @classmethod
-    def symmetric(cls, group, m: int, n: int, device, tiles: Tiles = Tiles()):
+    def symmetric(cls, group, m: int, n: int, device, tiles: GemmTiles = GemmTiles()):
         """Buffers in torch symmetric memory, rendezvoused over the TP process group
         (collective: every rank of the group calls it)."""
         import torch.distributed._symmetric_memory as symm_mem
@@ -84,7 +74,7 @@ class Exchange:
         return cls(data, flags, *ptrs, hd.rank, world)
 
     @classmethod
-    def local(cls, world: int, m: int, n: int, device, tiles: Tiles = Tiles()):
+    def local(cls, world: int, m: int, n: int, device, tiles: GemmTiles = GemmTiles()):
         """`world` ranks' buffers on one device (the single-GPU test of the exchange)."""
         data = [torch.zeros((2, world, m, n), dtype=torch.bfloat16, device=device)
                 for _ in range(world)]
@@ -95,7 +85,8 @@ class Exchange:
         return [cls(data[r], flags[r], dp, fp, r, world) for r in range(world)]
 
 
-def gemm_push(x: Exchange, a_q, a_scale, w_q, w_scale, tiles: Tiles = Tiles()) -> None:
+def gemm_push(x: Exchange, a_q, a_scale, w_q, w_scale,
+              tiles: GemmTiles = GemmTiles()) -> None:
     """This rank's partial product into every rank's slot, flags raised."""
     from .kernels.gemm_allreduce import gemm_push_kernel
 
@@ -113,7 +104,8 @@ def gemm_push(x: Exchange, a_q, a_scale, w_q, w_scale, tiles: Tiles = Tiles()) -
                            num_stages=tiles.stages)
 
 
-def reduce(x: Exchange, out_dtype: torch.dtype, tiles: Tiles = Tiles()) -> torch.Tensor:
+def reduce(x: Exchange, out_dtype: torch.dtype,
+           tiles: GemmTiles = GemmTiles()) -> torch.Tensor:
     """Sum of the world's partials, as they arrive; then the epoch advances."""
     from .kernels.gemm_allreduce import reduce_kernel
 
@@ -130,7 +122,7 @@ class SymmetricGemmAllReduce:
     """The fused op for one TP rank, bound to the steady-state shape; same call as
     `reference`, which it falls back to at every other shape."""
 
-    def __init__(self, exchange: Exchange, tiles: Tiles = Tiles()):
+    def __init__(self, exchange: Exchange, tiles: GemmTiles = GemmTiles()):
         self.x, self.tiles = exchange, tiles
         self.steady = tuple(exchange.data.shape[2:])
 
@@ -140,9 +132,3 @@ class SymmetricGemmAllReduce:
             return reference(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, all_reduce)
         gemm_push(self.x, a_q, a_scale, w_q, w_scale, self.tiles)
         return reduce(self.x, out_dtype, self.tiles)
-
-
-def select(device: torch.device):
-    """The op a model uses without a TP group's exchange: the reference (GEMM, then the
-    all-reduce). TP ranks on GPUs get a SymmetricGemmAllReduce from their loader."""
-    return reference

@@ -146,6 +146,10 @@ class Engine:
         d = self.manifest["kernels"].get("dir") if use_compiled else None
         return KernelCache.copy_of(self.path / d) if d else KernelCache.empty()
 
+    def gemm_plan(self, rank: int) -> dict[str, str]:
+        """The per-shape GEMM choice charbuild measured for `rank` ({} if none was)."""
+        return dict(self.manifest["kernels"].get("gemm_plan", {}).get(str(rank), {}))
+
     def rank_state(self, rank: int, device="cpu") -> dict[str, torch.Tensor]:
         return load_file(str(self.path / rank_file(rank)), device=str(device))
 

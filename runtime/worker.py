@@ -33,7 +33,8 @@ def load_rank(engine: Engine, rank: int, device: torch.device, all_reduce=identi
     shape = RankShape.of(spec, cfg.tp, rank)
     model = CharacterDiT(cfg, shape, engine.rank_state(rank, device), all_reduce,
                          adaln_tables=engine.adaln_tables(device), device=device,
-                         fused_gemm_allreduce=fused_gemm_allreduce)
+                         fused_gemm_allreduce=fused_gemm_allreduce,
+                         gemm_plan=engine.gemm_plan(rank) if device.type == "cuda" else None)
     step_fn = GraphedStep() if device.type == "cuda" else ar_step
     return Session(model, KVCache(cfg, shape.heads, device), step_fn)
 

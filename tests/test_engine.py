@@ -215,3 +215,16 @@ def test_checksums_verified_while_the_weights_load_stop_the_worker(copy):
     engine = Engine.load(copy, verify_in_background=True)
     with pytest.raises(EngineError, match="checksum mismatch in rank0.safetensors"):
         Worker(engine)
+
+
+def test_an_engines_gemm_plan_is_read_for_its_rank(copy):
+    from charengine.plugins import fp8_gemm
+
+    m = json.loads((copy / "manifest.json").read_text())
+    assert Engine.load(copy).gemm_plan(0) == {}  # a CPU engine measures nothing
+    m["kernels"]["gemm_plan"] = {"0": {"w_in": "scaled_mm", "w_out": "triton"}}
+    (copy / "manifest.json").write_text(json.dumps(m))
+    assert Engine.load(copy).gemm_plan(0) == {"w_in": "scaled_mm", "w_out": "triton"}
+    assert fp8_gemm.op("triton") is not fp8_gemm.op("scaled_mm") is fp8_gemm.op(None)
+    with pytest.raises(ValueError, match="unknown GEMM choice 'cutlass'"):
+        fp8_gemm.op("cutlass")

@@ -14,8 +14,9 @@ pytestmark = pytest.mark.gpu
 STEPS = 60  # filling, calibration, steady, one reset (42)
 
 
-def run(cfg, device, step_fn=None, sync_check=False):
+def run(cfg, device, step_fn=None, sync_check=False, gemm_plan=None):
     kw = {} if step_fn is None else {"step_fn": step_fn}
+    kw |= {"gemm_plan": gemm_plan} if gemm_plan else {}
     s = make_session(cfg, rank_state(cfg, random_weights(cfg.model, 0)), device=device, **kw)
     ref, prompt, noise, audio = (t.to(device) for t in session_inputs(cfg.model, STEPS))
     outs = []

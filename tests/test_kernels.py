@@ -196,6 +196,25 @@ def test_step_with_kernels_matches_the_plain_step():
     assert rel_err(kernels, plain).max() < 2e-2
 
 
+def test_step_with_the_triton_gemm_planned_matches_cublaslt():
+    """An engine's GEMM plan may pick the Triton kernel per block linear: the step with it at
+    both projections against the step with `_scaled_mm`."""
+    from test_gpu import run
+
+    cfg = preset("tiny").replace(model=PRESETS["tiny-d64"])
+    planned = run(cfg, DEV, gemm_plan={"w_in": "triton", "w_out": "triton"})
+    assert rel_err(planned, run(cfg, DEV)).max() < 2e-2
+
+
+def test_the_gemm_timing_covers_both_choices():
+    g = torch.Generator(device=DEV).manual_seed(0)
+    weights = [(fp8_tensor((512, 1024), g), torch.rand(512, device=DEV, generator=g) + 0.5)
+               for _ in range(4)]
+    times = fp8_gemm.time_choices(weights, 757, torch.bfloat16, False, reps=2)
+    assert set(times) == set(fp8_gemm.CHOICES) and all(t > 0 for t in times.values())
+    assert fp8_gemm.choose(times) in fp8_gemm.CHOICES
+
+
 def test_pre_attention_writes_a_transposed_value_store():
     """The production value store is [H, D, S] (slots padded to 16); the kernel writes it
     transposed, the same bytes as a row store."""

@@ -30,6 +30,9 @@ def test_an_engine_with_its_kernels_compiles_nothing_at_start(tmp_path):
     assert {"pre_attention_kernel", "attention_tma_kernel", "delta_rotation_kernel",
             "norm_modulate_quant_kernel", "swiglu_quant_kernel"} <= set(compiled)
     assert any(f.endswith(".cubin") for f in m["files"])
+    plan = m["kernels"]["gemm_plan"]["0"]
+    assert set(plan) == {"w_in", "w_out"} and set(plan.values()) <= {"scaled_mm", "triton"}
+    assert m["kernels"]["shared_objects_checked"]  # Triton's launchers, checked
     assert ready_check(baked) == 0
     jit = build_target(tmp_path / "b", "h200-tp1", preset="tiny-d64", kernels=False)
     assert ready_check(jit) >= len(set(compiled))

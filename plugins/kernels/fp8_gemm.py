@@ -5,11 +5,12 @@ import triton.language as tl
 
 
 @triton.jit
-def fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn,
-                    stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """C[M, N] = (A * a_scale[M]) (W * w_scale[N])^T, A [M, K] and W [N, K] e4m3 row-major;
-    tiles walked in groups of GROUP_M rows so that W tiles are reused from L2."""
+def fp8_gemm_tile(a_ptr, as_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+    """This program's tile of (A * a_scale[M]) (W * w_scale[N])^T in fp32, A [M, K] and
+    W [N, K] e4m3 row-major; tiles walked in groups of GROUP_M rows so that W tiles are
+    reused from L2. Returns (tile, offs_m, offs_n, pid_m, pid_n)."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -36,6 +37,15 @@ def fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, str
         w_ptrs += BLOCK_K
     sa = tl.load(as_ptr + offs_m, mask=offs_m < M, other=0.0)
     sw = tl.load(ws_ptr + offs_n, mask=offs_n < N, other=0.0)
-    c = acc * sa[:, None] * sw[None, :]
+    return acc * sa[:, None] * sw[None, :], offs_m, offs_n, pid_m, pid_n
+
+
+@triton.jit
+def fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn,
+                    stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """C[M, N] = (A * a_scale[M]) (W * w_scale[N])^T (fp8_gemm_tile), stored as C's dtype."""
+    c, offs_m, offs_n, _, _ = fp8_gemm_tile(a_ptr, as_ptr, w_ptr, ws_ptr, M, N, K, stride_am,
+                                            stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c.to(c_ptr.dtype.element_ty),
              mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))

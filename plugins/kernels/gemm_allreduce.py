@@ -12,6 +12,8 @@ partial), so it never writes the slot this rank is still reducing.
 import triton
 import triton.language as tl
 
+from .fp8_gemm import fp8_gemm_tile
+
 
 @triton.jit
 def gemm_push_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, data_ptrs, flag_ptrs, epoch_ptr, M, N, K,
@@ -21,33 +23,12 @@ def gemm_push_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, data_ptrs, flag_ptrs, epoch_p
     """This rank's partial C = (A * a_scale) (W * w_scale)^T, tile by tile, stored as bf16
     straight into every rank's slot (parity, RANK) (peer-to-peer stores), each tile then
     signalled to every rank with a system-scope release."""
-    pid = tl.program_id(0)
+    c, offs_m, offs_n, pid_m, pid_n = fp8_gemm_tile(a_ptr, as_ptr, w_ptr, ws_ptr, M, N, K,
+                                                    stride_am, stride_wn, BLOCK_M, BLOCK_N,
+                                                    BLOCK_K, GROUP_M)
+    c = c.to(tl.bfloat16)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rm = tl.where(offs_m < M, offs_m, 0)
-    rn = tl.where(offs_n < N, offs_n, 0)
-    a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        kmask = offs_k[None, :] < K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=kmask, other=0.0)
-        w = tl.load(w_ptrs, mask=kmask, other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    sa = tl.load(as_ptr + offs_m, mask=offs_m < M, other=0.0)
-    sw = tl.load(ws_ptr + offs_n, mask=offs_n < N, other=0.0)
-    c = (acc * sa[:, None] * sw[None, :]).to(tl.bfloat16)
     epoch = tl.load(epoch_ptr)
     parity = epoch % 2
     tiles = grid_m * grid_n
