@@ -70,13 +70,14 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
     torch.set_num_threads(1)
     grank = rank + 1
     try:
-        engine = Engine.load(engine_dir)
-        device = torch.device(engine.target.rank_devices()["tp"][rank])
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=grank,
                                 world_size=world, timeout=timeout)
+        # checksums run while the weights load; the rank is ready (barrier below) after both
+        engine = Engine.load(engine_dir, verify_in_background=True)
+        device = torch.device(engine.target.rank_devices()["tp"][rank])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         tp_group = dist.new_group(list(range(1, world)), timeout=timeout,
                                   backend="nccl" if device.type == "cuda" else "gloo")
 
@@ -89,6 +90,7 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
         kernels = engine.kernel_cache().activate() if device.type == "cuda" else None
         fused = fused_exchange(cfg, tp_group, device) if device.type == "cuda" else None
         session = load_rank(engine, rank, device, all_reduce, fused)
+        engine.verified()
         if device.type == "cuda":
             warm_up(session)  # in step with the other TP ranks: the same collectives
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=ready_timeout_s))
@@ -159,6 +161,10 @@ class DistributedWorker:
     # ---- the group ------------------------------------------------------------------
     def _launch(self) -> None:
         world = self.cfg.tp + 1
+        for r in range(1, world):  # errors of an earlier group's ranks
+            stale = os.path.join(self.log_dir, f"rank{r}.err")
+            if os.path.exists(stale):
+                os.remove(stale)
         port = free_port()
         self.ctx = mp.start_processes(
             _tp_rank_main, args=(world, port, str(self.engine.path), self.timeout_s,
@@ -176,12 +182,14 @@ class DistributedWorker:
             raise self._failure(e) from None
 
     def _failure(self, e: BaseException) -> RankFailure:
-        """Tear the group down after a fault; describe it in one line."""
-        dead = [i + 1 for i, p in enumerate(self.ctx.processes) if not p.is_alive()]
-        for p in self.ctx.processes:
+        """Tear the group down after a fault; describe it in one line (with the last line of
+        a rank's own error, when it wrote one)."""
+        procs = self.ctx.processes
+        dead = [i + 1 for i, p in enumerate(procs) if not p.is_alive()]
+        for p in procs:
             if p.is_alive():
                 p.kill()
-        for p in self.ctx.processes:
+        for p in procs:
             p.join(5)
         try:
             dist.destroy_process_group()
@@ -189,12 +197,16 @@ class DistributedWorker:
             pass
         self.ctx = None
         what = (f"rank {', '.join(map(str, dead))} died (exit "
-                f"{', '.join(str(self._exitcode(r)) for r in dead)})" if dead
+                f"{', '.join(str(procs[r - 1].exitcode) for r in dead)})" if dead
                 else f"a rank did not answer within {self.timeout_s:g} s")
+        for r in dead:
+            err = os.path.join(self.log_dir, f"rank{r}.err")
+            if os.path.isfile(err):
+                lines = [ln for ln in open(err).read().splitlines() if ln.strip()]
+                if lines:
+                    what += f": {lines[-1].strip()}"
+                    break
         return RankFailure(f"session failed: {what} ({type(e).__name__})")
-
-    def _exitcode(self, grank: int):
-        return self.ctx.processes[grank - 1].exitcode if self.ctx else None
 
     def close(self) -> None:
         if self.ctx is None:

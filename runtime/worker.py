@@ -101,11 +101,13 @@ class Worker:
         """The three-stage pipeline over this worker's session, with rank 0's audio encoding
         given by `encode_audio(i)`."""
         spec = self.spec
-        g = torch.Generator(device=self.device).manual_seed(seed)
+        # Noise from a seeded CPU generator, as every TP rank makes it: a seed gives the same
+        # noise on any device and layout (CUDA generators' streams differ from the CPU's).
+        g = torch.Generator().manual_seed(seed)
         shape = (spec.latent_channels, spec.latent_h, spec.latent_w)
 
         def diffuse(i, feats):
-            noise = torch.randn(shape, generator=g, device=self.device)
+            noise = torch.randn(shape, generator=g).to(self.device)
             return self.session.step(noise, feats.to(self.device))
 
         def decode(latent):

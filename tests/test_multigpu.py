@@ -16,8 +16,7 @@ pytestmark = pytest.mark.gpu
 
 def test_tp2_on_two_gpus_equals_tp1(tmp_path):
     """TP-2 with the fused exchange equals TP-2 with GEMM-then-NCCL to the bf16 rounding of
-    the partials, and TP-1 to the FP8 rounding TP changes (bounded as on CPU, looser for
-    the GPU kernels' FP8 attention)."""
+    the partials, and TP-1 to the FP8 rounding TP changes (bounded as on CPU)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     tp1 = build_target(tmp_path, "h200-tp1", preset="tiny-d64", kernels=True)
@@ -51,5 +50,5 @@ def test_tp2_on_two_gpus_equals_tp1(tmp_path):
     print(report)
     assert report["session 2"][0] < 1e-3, report  # a new session replays the same graphs
     assert report["fused vs nccl"][0] < 2e-2 and report["fused vs nccl"][1] < 1e-3, report
-    # measured on two H200s: 0.036 max, 0.0044 mean, the same with NCCL (docs/PERFORMANCE.md)
-    assert report["fused vs tp1"][0] < 6e-2 and report["fused vs tp1"][1] < 1e-2, report
+    # as the CPU layout test bounds TP-N against TP-1 (on CPU tiny-d64 differs by 5e-5)
+    assert report["fused vs tp1"][0] < 2e-2, report
