@@ -111,9 +111,9 @@ def main(engine_dir, image, audio_path, out, prompt, seed, serve, host, port, ic
         engine = Engine.load(engine_dir, verify_in_background=True)
         spec = engine.config.model
         if serve or livekit:
-            from .worker import Worker
+            from .distributed import open_worker
 
-            worker = Worker(engine)
+            worker = open_worker(engine)  # TP engines: rank 0 here, one process per TP rank
             if livekit:
                 try:
                     from .livekit_avatar import LiveKitSetupError, run_worker

@@ -29,12 +29,12 @@ import torch.multiprocessing as mp
 from charengine import audio as audio_mod
 
 from .engine import Engine
-from .pipeline import StepTimes
+from .pipeline import Pipeline, StepTimes
 from charengine.warmup import warm_up, warm_up_side
 
 from .worker import load_rank
 
-CMD_STEPS, CMD_STOP = 1, 2
+CMD_STEPS, CMD_STOP, CMD_STREAM = 1, 2, 3
 
 
 class RankFailure(RuntimeError):
@@ -111,7 +111,13 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                 g = torch.Generator().manual_seed(seed)  # the same noise on every rank
                 pending = None
                 times.clear()
-                for i in range(steps):
+                i = 0
+                while cmd[0] == CMD_STEPS and i < steps or cmd[0] == CMD_STREAM:
+                    if cmd[0] == CMD_STREAM:  # a live session: a go / end flag per step
+                        go = torch.zeros(1, dtype=torch.long)
+                        dist.broadcast(go, 0)
+                        if go[0] == 0:
+                            break
                     feats = torch.empty(spec.audio_tokens, spec.audio_dim)
                     dist.broadcast(feats, 0)
                     t0 = time.monotonic()
@@ -122,9 +128,10 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                         if pending is not None:
                             pending.wait()
                         pending = dist.isend(latent.contiguous(), 0)
+                    i += 1
                 if pending is not None:
                     pending.wait()
-                if rank == 0:
+                if rank == 0 and cmd[0] == CMD_STEPS:
                     dist.send(torch.tensor(times, dtype=torch.float64).reshape(-1, 2), 0)
         if kernels is not None:
             kernels.close()
@@ -228,6 +235,11 @@ class DistributedWorker:
             self.side.image_encoder(image.to(self.decoder_device)).cpu().contiguous(),
             self.side.text_encoder(prompt).cpu().contiguous())
 
+    def pipeline(self, encode_audio, seed: int = 0) -> Pipeline:
+        """A live session's pipeline (runtime/live.py) over the rank group: steps are sent
+        one at a time as rank 0 encodes their audio, for as long as the pipeline runs."""
+        return RemotePipeline(self, encode_audio, seed)
+
     @torch.inference_mode()
     def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
         spec, times = self.spec, StepTimes()
@@ -262,6 +274,50 @@ class DistributedWorker:
             self._failure(e)
             raise
         return times
+
+
+class RemotePipeline(Pipeline):
+    """The three-stage pipeline with its diffusion stage on the TP ranks. The first step
+    opens a streamed session on them (reference and prompt from the worker's start); each
+    step sends a go flag and the audio features and receives the latent back; when the
+    pipeline stops, an end flag returns the ranks to their command loop."""
+
+    def __init__(self, worker: DistributedWorker, encode_audio, seed: int):
+        spec = worker.spec
+        self.worker, self.seed, self.opened = worker, seed, False
+        self.lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
+        super().__init__(encode_audio, self._diffuse, self._decode)
+
+    def _diffuse(self, i: int, feats: torch.Tensor) -> torch.Tensor:
+        if not self.opened:
+            ref, prompt = self.worker.pending_start
+            dist.broadcast(torch.tensor([CMD_STREAM, 0, self.seed]), 0)
+            dist.broadcast(ref, 0)
+            dist.broadcast(prompt, 0)
+            self.opened = True
+        dist.broadcast(torch.ones(1, dtype=torch.long), 0)
+        dist.broadcast(feats.cpu().contiguous(), 0)
+        latent = torch.empty(self.lat)
+        dist.recv(latent, 1)
+        return latent
+
+    def _decode(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.worker.side.decoder(latent.to(self.worker.decoder_device)).cpu()
+
+    def run(self, steps, sink) -> StepTimes:
+        w = self.worker
+        if w.ctx is None:
+            w._launch()
+        try:
+            times = super().run(steps, sink)
+            if self.opened:  # every sent step was received: the ranks wait for a flag
+                dist.broadcast(torch.zeros(1, dtype=torch.long), 0)
+            return times
+        except RuntimeError as e:  # gloo errors and timeouts (DistBackendError included)
+            raise w._failure(e) from None
+        except BaseException as e:
+            w._failure(e)
+            raise
 
 
 def open_worker(engine: Engine):

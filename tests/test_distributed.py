@@ -88,3 +88,36 @@ def test_a_hung_rank_is_detected_by_the_timeout(engines):
         assert frames.shape[0] == 6
     finally:
         worker.close()
+
+
+def test_a_live_session_runs_on_the_rank_group_as_on_one_process(engines):
+    """charrun --serve on a TP engine: a live session over the ranks (steps sent one at a
+    time as speech arrives) publishes the frames a TP-1 live session publishes; afterwards
+    the same group serves a rendered session."""
+    from charengine.runtime.live import LiveSession, wait_until
+
+    speech = torch.randn(16000 * 2, generator=torch.Generator().manual_seed(1)) * 0.1
+    image = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(2))
+
+    def live(worker, frames=48):
+        got = []
+        s = LiveSession(worker, lambda f, a, t, v: got.append((f.clone(), v)), slack=8)
+        s.say(speech)
+        s.start(image, "hello")
+        assert wait_until(lambda: len(got) >= frames, 60)
+        s.stop()
+        assert s.error is None
+        return torch.stack([f for f, _ in got[:frames]]), [v for _, v in got[:frames]]
+
+    ref, ref_voiced = live(Worker(Engine.load(engines[0])))
+    worker = DistributedWorker(Engine.load(engines[1]))
+    try:
+        got, voiced = live(worker)
+        again, _ = live(worker)  # the ranks returned to their command loop
+        frames, _ = frames_of(worker, image, speech, 6)
+    finally:
+        worker.close()
+    assert voiced == ref_voiced and any(voiced)
+    assert (got - ref).abs().max() < 2e-2  # as the rendered TP-2 session against TP-1
+    assert torch.equal(got, again)
+    assert frames.shape[0] == 6
