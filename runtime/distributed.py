@@ -220,8 +220,16 @@ class DistributedWorker:
             return
         try:
             dist.broadcast(torch.tensor([CMD_STOP, 0, 0]), 0)
-            self.ctx.join(self.timeout_s)
+            # join() returns as soon as one process has exited: wait for all of them before
+            # the store they still talk to goes away with the group
+            deadline = time.monotonic() + self.timeout_s
+            while not self.ctx.join(max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    break
         finally:
+            for p in self.ctx.processes:
+                if p.is_alive():
+                    p.kill()
             dist.destroy_process_group()
             self.ctx = None
 
