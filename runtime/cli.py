@@ -17,6 +17,7 @@ from rich.table import Table
 
 from charengine import audio as audio_mod
 
+from .distributed import RankFailure
 from .engine import Engine, EngineError
 
 
@@ -54,7 +55,7 @@ def ready_check(engine_dir: Path) -> None:
         from .distributed import open_worker
 
         worker = open_worker(engine)
-    except EngineError as e:
+    except (EngineError, RankFailure) as e:
         raise click.ClickException(str(e)) from None
     total = time.perf_counter() - t0
     startup = getattr(worker, "startup", {})
@@ -132,7 +133,7 @@ def main(engine_dir, image, audio_path, out, prompt, seed, serve, host, port, ic
         from .distributed import open_worker
 
         worker = open_worker(engine)
-    except (EngineError, MediaError) as e:
+    except (EngineError, MediaError, RankFailure) as e:
         raise click.ClickException(str(e)) from None
 
     steps = audio_mod.steps_for(spec, speech.numel())

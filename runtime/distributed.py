@@ -74,7 +74,7 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=grank,
                                 world_size=world, timeout=timeout)
         # checksums run while the weights load; the rank is ready (barrier below) after both
-        engine = Engine.load(engine_dir, verify_in_background=True)
+        engine = Engine.load(engine_dir, ranks=[rank], verify_in_background=True)
         device = torch.device(engine.target.rank_devices()["tp"][rank])
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -186,12 +186,17 @@ class DistributedWorker:
         try:  # ready: every rank has loaded and warmed up
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.ready_timeout_s))
         except RuntimeError as e:
-            raise self._failure(e) from None
+            raise self._failure(e, self.ready_timeout_s) from None
 
-    def _failure(self, e: BaseException) -> RankFailure:
+    def _failure(self, e: BaseException, waited_s: float | None = None) -> RankFailure:
         """Tear the group down after a fault; describe it in one line (with the last line of
-        a rank's own error, when it wrote one)."""
+        a rank's own error, when it wrote one). `waited_s`: the start-up's timeout, when the
+        fault came while the ranks were getting ready."""
         procs = self.ctx.processes
+        if waited_s is not None:  # at start-up: a rank that failed to load may be exiting
+            settle = time.monotonic() + 3.0
+            while time.monotonic() < settle and all(p.is_alive() for p in procs):
+                time.sleep(0.05)
         dead = [i + 1 for i, p in enumerate(procs) if not p.is_alive()]
         for p in procs:
             if p.is_alive():
@@ -205,7 +210,7 @@ class DistributedWorker:
         self.ctx = None
         what = (f"rank {', '.join(map(str, dead))} died (exit "
                 f"{', '.join(str(procs[r - 1].exitcode) for r in dead)})" if dead
-                else f"a rank did not answer within {self.timeout_s:g} s")
+                else f"a rank did not answer within {waited_s or self.timeout_s:g} s")
         for r in dead:
             err = os.path.join(self.log_dir, f"rank{r}.err")
             if os.path.isfile(err):

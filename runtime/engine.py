@@ -77,9 +77,11 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, machine: dict | None = None,
              ranks: list[int] | None = None, verify_in_background: bool = False) -> "Engine":
-        """Read and check an engine. `ranks`: load only these TP ranks (a benchmark of one
-        rank's slice); by default the whole layout, which a partial build cannot serve.
-        Checksums are verified before returning, or with verify_in_background while the
+        """Read and check an engine. `ranks`: the TP ranks this process loads (a rank
+        process: its own; a benchmark: one rank's slice); by default the whole layout is
+        served, which a partial build cannot do, and this process loads TP-1's rank, while
+        a TP layout's rank processes load (and verify) their own. Checksums of what this
+        process reads are verified before returning, or with verify_in_background while the
         weights load (the disk is read once for both); then `verified()` waits for them and
         raises their error."""
         path = Path(path)
@@ -120,7 +122,7 @@ class Engine:
                 raise EngineError(f"{path}: engine file {name} is missing; rebuild the engine")
             if name not in files:
                 raise EngineError(f"{path}: the manifest lists no checksum for {name}; rebuild")
-        loaded = {rank_file(r) for r in want}
+        loaded = {rank_file(r) for r in (want if ranks is not None or config.tp == 1 else [])}
         names = [n for n in sorted(files) if not n.startswith("rank") or n in loaded]
         if not verify_in_background:
             verify(path, names, files)
@@ -134,10 +136,6 @@ class Engine:
         """Wait for background checksum verification; raise its EngineError."""
         if self.pending is not None:
             self.pending.result()
-
-    @property
-    def kernels_compiled(self) -> bool:
-        return bool(self.manifest["kernels"].get("compiled"))
 
     def kernel_cache(self, use_compiled: bool = True) -> KernelCache:
         """Triton's cache over a copy of the engine's compiled kernels (empty for an engine

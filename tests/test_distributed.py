@@ -121,3 +121,20 @@ def test_a_live_session_runs_on_the_rank_group_as_on_one_process(engines):
     assert (got - ref).abs().max() < 2e-2  # as the rendered TP-2 session against TP-1
     assert torch.equal(got, again)
     assert frames.shape[0] == 6
+
+
+def test_a_damaged_rank_file_is_reported_by_its_rank(engines, tmp_path):
+    """Rank 0 of a TP engine reads no rank file; each rank verifies its own, and its error
+    reaches rank 0's one line."""
+    import shutil
+
+    copy = tmp_path / "engine"
+    shutil.copytree(engines[1], copy)
+    f = copy / "rank1.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01
+    f.write_bytes(bytes(data))
+    engine = Engine.load(copy)  # rank 0's own files are intact
+    with pytest.raises(RankFailure, match=r"rank 2 died \(exit 1\): .*checksum mismatch in "
+                                          r"rank1.safetensors"):
+        DistributedWorker(engine)
