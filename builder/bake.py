@@ -1,5 +1,8 @@
-"""Compile a GPU engine's kernels: a warm-up session of one rank, loaded from the engine
-being built exactly as charrun loads it, with Triton's cache pointed into the engine.
+"""Compile a GPU engine's kernels with Triton's cache pointed into the engine: the rank's
+weights and tables loaded from the engine being built onto the GPU, as charrun loads them;
+the per-shape GEMM plan measured on them; a warm-up session with that plan (session start,
+filling, calibration, steady and reset graphs); for a TP engine, the fused GEMM +
+all-reduce kernels of every rank.
 
 Run by build() in a fresh process (`python -m charengine.builder.bake DIR RANK`), so that
 nothing compiled earlier in the builder's process hides a kernel from the engine's cache.
@@ -15,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from charengine import fp8
 from charengine.config import config_from_dict
 from charengine.engine_format import ADALN, MANIFEST, TRITON_KERNELS, rank_file
 from charengine.graphs import GraphedStep
@@ -41,6 +45,26 @@ def gemm_plan(cfg, state: dict) -> tuple[dict, dict]:
     return plan, times
 
 
+def compile_exchange(cfg, state: dict) -> None:
+    """A TP engine's fused GEMM + all-reduce kernels, for every rank (its index is a
+    compile-time constant): one exchange of `tp` ranks' buffers on this GPU, each rank's
+    push, then each rank's reduction, at the steady shape."""
+    from charengine.plugins import gemm_allreduce as gar
+
+    spec = cfg.model
+    if not (cfg.tp > 1 and cfg.switches.fused_gemm_allreduce and cfg.numerics.fp8_gemm):
+        return
+    w_q, w_s = state["blocks.0.w_out.q"], state["blocks.0.w_out.scale"]
+    a_q, a_s = fp8.quantize_rows(torch.randn(spec.tokens_per_frame, w_q.shape[1],
+                                             device=w_q.device))
+    ranks = gar.Exchange.local(cfg.tp, spec.tokens_per_frame, spec.dim, w_q.device)
+    for x in ranks:
+        gar.gemm_push(x, a_q, a_s, w_q, w_s)
+    for x in ranks:
+        gar.reduce(x, torch.bfloat16)
+    torch.cuda.synchronize()
+
+
 def bake(engine: Path, rank: int) -> dict:
     cfg = config_from_dict(json.loads((engine / MANIFEST).read_text())["config"])
     t0 = time.perf_counter()
@@ -52,6 +76,7 @@ def bake(engine: Path, rank: int) -> dict:
                                adaln_tables=(tables["adaln_table"], tables["final_table"]),
                                gemm_plan=plan)
         steps = warm_up(session)
+        compile_exchange(cfg, state)
     return {"rank": rank, "steps": steps, "seconds": round(time.perf_counter() - t0, 2),
             "gemm_plan": plan, "gemm_us": times,
             "compiled": sorted(cache.compiled), "found": sorted(cache.loaded)}

@@ -52,10 +52,10 @@ def bake_kernels(engine: Path, rank: int, log) -> dict:
         tail = "\n".join(r.stderr.strip().splitlines()[-20:])
         raise BuildError(f"rank {rank}: the kernel warm-up failed:\n{tail}")
     result = json.loads(r.stdout.strip().splitlines()[-1])
+    plan = ", ".join(f"{k} {c} ({result['gemm_us'][k][c]:.1f} us)"
+                     for k, c in result["gemm_plan"].items())
     log(f"rank {rank}: {len(result['compiled'])} kernels compiled in a {result['steps']}-step "
-        f"warm-up ({result['seconds']:.1f} s); GEMM per shape: " +
-        ", ".join(f"{k} {c} ({result['gemm_us'][k][c]:.1f} us)" for k, c in
-                  result["gemm_plan"].items()))
+        f"warm-up ({result['seconds']:.1f} s)" + (f"; GEMM per shape: {plan}" if plan else ""))
     return result
 
 
@@ -128,8 +128,10 @@ def build(target: Target, out: Path, weights: Path | None = None, seed: int | No
             manifest_of(target, cfg, ranks, source, side_source, kernels, {})))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the warm-up process loads the rank again
+
         def shape_of(r):
-            return RankShape.of(spec, cfg.tp, r).heads, RankShape.of(spec, cfg.tp, r).mlp
+            shape = RankShape.of(spec, cfg.tp, r)
+            return shape.heads, shape.mlp
 
         shapes = {}
         for r in ranks:  # ranks of one shape share their kernels and GEMM choices
