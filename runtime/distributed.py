@@ -9,6 +9,11 @@ waiting (isend) and joins the next broadcast, so every hand-off holds one item: 
 queues with backpressure. Each rank records when it starts and ends its work per step
 (time.monotonic is one clock for all processes of a machine).
 
+On GPUs each TP rank runs on its target device, its all-reduce is NCCL (or, at the steady
+shape, the fused GEMM + all-reduce over symmetric memory), and it loads its engine's
+kernels and warms up with the others before rank 0 calls the group ready. Live sessions
+stream steps to the ranks one at a time (RemotePipeline).
+
 Faults: collectives time out (`timeout_s`), so a hung rank is detected, and a rank that dies
 breaks its peers' collectives; either ends the session with a RankFailure on rank 0, and
 the group is started afresh for the next session.
@@ -27,11 +32,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from charengine import audio as audio_mod
+from charengine.warmup import warm_up, warm_up_side
 
 from .engine import Engine
 from .pipeline import Pipeline, StepTimes
-from charengine.warmup import warm_up, warm_up_side
-
 from .worker import load_rank
 
 CMD_STEPS, CMD_STOP, CMD_STREAM = 1, 2, 3
