@@ -122,8 +122,7 @@ class CharacterDiT(torch.nn.Module):
         self.act = act_quant.select(dev) if sw.fused_act_quant else act_quant.plain()
         self.fp8_attention = attention.select(dev, spec.head_dim, attention_tiles) \
             if sw.fp8_attention_kernel and sw.fp8_kv else None
-        self.gemm_plan = dict(gemm_plan or {})
-        self.planned_gemm = {kind: fp8_gemm.op(c) for kind, c in self.gemm_plan.items()}
+        self.planned_gemm = {kind: fp8_gemm.op(c) for kind, c in (gemm_plan or {}).items()}
         self.annotate = False  # label regions for torch.profiler (benchmarks set it)
 
     def scope(self, name: str):

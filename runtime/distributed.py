@@ -93,8 +93,8 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
         spec = cfg.model
         kernels = engine.kernel_cache().activate() if device.type == "cuda" else None
         fused = fused_exchange(cfg, tp_group, device) if device.type == "cuda" else None
-        session = load_rank(engine, rank, device, all_reduce, fused)
-        engine.verified()
+        with engine.verifying():
+            session = load_rank(engine, rank, device, all_reduce, fused)
         if device.type == "cuda":
             warm_up(session)  # in step with the other TP ranks: the same collectives
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=ready_timeout_s))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,6 +137,18 @@ class Engine:
         """Wait for background checksum verification; raise its EngineError."""
         if self.pending is not None:
             self.pending.result()
+
+    @contextmanager
+    def verifying(self):
+        """Reading the engine's files while their checksums are verified: on leaving, wait
+        for the verification; a read that failed on a damaged file is reported as the
+        checksum mismatch it is."""
+        try:
+            yield
+        except Exception:
+            self.verified()
+            raise
+        self.verified()
 
     def kernel_cache(self, use_compiled: bool = True) -> KernelCache:
         """Triton's cache over a copy of the engine's compiled kernels (empty for an engine

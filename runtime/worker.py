@@ -61,15 +61,11 @@ class Worker:
         self.kernels = engine.kernel_cache(engine_kernels).activate() \
             if self.device.type == "cuda" else None
         self.spec = spec = cfg.model
-        try:
+        with engine.verifying():
             self.session = load_rank(engine, rank_slice, self.device)
             self.side = load_side(spec, engine.side_state(), self.decoder_device)
-        except Exception:
-            engine.verified()  # a damaged file is reported as the checksum says
-            raise
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        engine.verified()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         steps = 0
         if self.device.type == "cuda":
