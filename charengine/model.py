@@ -4,7 +4,7 @@ global tokens.
 
 Block: xm = LN(h) * (1 + scale) + shift; [q k v gate up] = W_in xm (FP8, column-parallel);
 attention over the cache; o = W_out [attn, silu(gate) * up] (FP8, row-parallel), all-reduced;
-h += gate_ada * o. Shift, scale and gate come from the pass's timestep alone.
+h += gate_ada * o (with fused_residual, inside the next block's first kernel). Shift, scale and gate come from the pass's timestep alone.
 """
 
 from __future__ import annotations
@@ -190,21 +190,42 @@ class CharacterDiT(torch.nn.Module):
         key = None if self.cfg.switches.rope_at_write else cache.key_cos_sin(self.rope)
         return StepConditioning(self.dense(audio_features, "audio_proj"), cos, sin, c, key)
 
-    def qkv_mlp(self, b: int, h: torch.Tensor, mod: torch.Tensor):
-        """Norm, modulation and the input projection: q, k, v [H, T, D] (strided views of the
+    def qkv_mlp(self, b: int, h: torch.Tensor, mod: torch.Tensor, residual=None):
+        """The pending gated residual (o, gate) of the previous block (fused_residual), norm,
+        modulation and the input projection: h, then q, k, v [H, T, D] (strided views of the
         projection's output) and the SwiGLU gate and up [T, mlp]."""
         shift, scale, _ = mod
         eps = self.spec.norm_eps
+        if residual is not None and not self.fuses_residual:
+            h, residual = self.add_residual(h, residual), None
         if self.cfg.numerics.fp8_gemm:
             with self.scope("act_quant"):
-                aq, a_s = self.act.norm_modulate(h, shift, scale, eps)
+                if residual is None:
+                    aq, a_s = self.act.norm_modulate(h, shift, scale, eps)
+                else:
+                    aq, a_s, h = self.act.residual_norm_modulate(h, *residual, shift, scale, eps)
             y = self.fp8_gemm(aq, a_s, f"blocks.{b}.w_in")
         else:
             xm = F.layer_norm(h, (self.spec.dim,), eps=eps) * (1 + scale) + shift
             y = self.fp8_linear(xm, f"blocks.{b}.w_in")
         T, H, D = h.shape[0], self.rank.heads, self.spec.head_dim
         q, k, v, g, u = y.split([self.A, self.A, self.A, self.rank.mlp, self.rank.mlp], dim=-1)
-        return (*(t.reshape(T, H, D).transpose(0, 1) for t in (q, k, v)), g, u)
+        return (h, *(t.reshape(T, H, D).transpose(0, 1) for t in (q, k, v)), g, u)
+
+    @property
+    def fuses_residual(self) -> bool:
+        """The gated residual add runs inside the next block's norm + quantization kernel (or
+        its reference), where the block linears take FP8 activations."""
+        return self.cfg.switches.fused_residual and self.cfg.numerics.fp8_gemm
+
+    def add_residual(self, h, residual):
+        """h + gate * o, the block's gated residual; `residual` (o, gate) or None."""
+        if residual is None:
+            return h
+        o, gate = residual
+        if self.cfg.switches.fused_act_quant:
+            return torch.addcmul(h, gate, o)
+        return h + gate * o
 
     def norm_qk(self, b: int, q, k):
         eps = self.spec.norm_eps
@@ -228,28 +249,26 @@ class CharacterDiT(torch.nn.Module):
             return self.fp8_attention(q8, q_scale, cache.k8[bp], cache.v8[bp], cache.scale[bp, 0],
                                       cache.scale[bp, 1], self.dtype)
 
-    def finish_block(self, b: int, h, attn, gate, up, mod):
-        """SwiGLU, the output projection (all-reduced) and the gated residual."""
+    def finish_block(self, b: int, attn, gate, up) -> torch.Tensor:
+        """SwiGLU and the output projection (all-reduced): the block's o, before its gated
+        residual."""
         name = f"blocks.{b}.w_out"
         if self.cfg.numerics.fp8_gemm:
             with self.scope("act_quant"):
                 aq, a_s = self.act.swiglu(attn, gate, up)
-            o = self.fp8_gemm(aq, a_s, name, self.all_reduce)
-        else:
-            o = self.fp8_linear(torch.cat([attn, F.silu(gate) * up], dim=-1), name,
-                                self.all_reduce)
-        if self.cfg.switches.fused_act_quant:
-            return torch.addcmul(h, mod[2], o)
-        return h + mod[2] * o
+            return self.fp8_gemm(aq, a_s, name, self.all_reduce)
+        return self.fp8_linear(torch.cat([attn, F.silu(gate) * up], dim=-1), name,
+                               self.all_reduce)
 
     # ---- forwards -----------------------------------------------------------------------
-    def frame_block(self, b: int, p: int, h, cond: StepConditioning, cache: KVCache, mask,
-                    slots: int | None = None):
-        """`mask` [S] bool or `slots` (attend to the first `slots` slots) while the window
-        fills; neither in the steady state."""
+    def frame_block(self, b: int, p: int, h, residual, cond: StepConditioning, cache: KVCache,
+                    mask, slots: int | None = None):
+        """One block over the new frame: returns h and the block's gated residual (o, gate),
+        which the next block adds (see qkv_mlp). `mask` [S] bool or `slots` (attend to the first
+        `slots` slots) while the window fills; neither in the steady state."""
         bp = b * self.cfg.schedule.passes + p
         mod = self.modulation(b, p, cond)
-        q, k, v, g, u = self.qkv_mlp(b, h, mod)
+        h, q, k, v, g, u = self.qkv_mlp(b, h, mod, residual)
         fp8_attention = self.fp8_attention is not None and cache.quantized and mask is None \
             and slots is None
         with self.scope("pre_attention"):
@@ -262,7 +281,7 @@ class CharacterDiT(torch.nn.Module):
                 if slots is not None:
                     kc, vc = kc[:, :slots], vc[:, :slots]
             o = self.attend(q, kc, vc, mask)
-        return self.finish_block(b, h, o, g, u, mod)
+        return h, (self.finish_block(b, o, g, u), mod[2])
 
     def pre_attention_write(self, b: int, bp: int, q, k, v, cond: StepConditioning,
                             cache: KVCache, quantize_q: bool = False):
@@ -291,9 +310,10 @@ class CharacterDiT(torch.nn.Module):
                       mask=None, slots: int | None = None) -> torch.Tensor:
         """Velocity for the new latent's tokens x [video_tokens, patch_dim] at pass p; writes
         the frame's K/V into caches (block, p)."""
-        h = torch.cat([self.dense(x, "patch_embed"), cond.audio])
+        h, residual = torch.cat([self.dense(x, "patch_embed"), cond.audio]), None
         for b in range(self.spec.n_blocks):
-            h = self.frame_block(b, p, h, cond, cache, mask, slots)
+            h, residual = self.frame_block(b, p, h, residual, cond, cache, mask, slots)
+        h = self.add_residual(h, residual)
         shift, scale = self.final_modulation(p, cond)
         hv = h[: self.spec.video_tokens]
         hv = F.layer_norm(hv, (self.spec.dim,), eps=self.spec.norm_eps) * (1 + scale) + shift
@@ -310,11 +330,11 @@ class CharacterDiT(torch.nn.Module):
             h = h0
             for b in range(self.spec.n_blocks):
                 mod = self.modulation(b, p, cond)
-                q, k, v, g, u = self.qkv_mlp(b, h, mod)
+                h, q, k, v, g, u = self.qkv_mlp(b, h, mod)
                 q, k = self.norm_qk(b, q, k)
                 q, kr = rotate(q, cos, sin), rotate(k, cos, sin)
                 cache.write_global(b * self.cfg.schedule.passes + p,
                                    kr if self.cfg.switches.rope_at_write else k, v)
                 o = F.scaled_dot_product_attention(q[None], kr[None], v[None])[0]
-                h = self.finish_block(b, h, o.transpose(0, 1).reshape(h.shape[0], self.A), g, u,
-                                      mod)
+                o = self.finish_block(b, o.transpose(0, 1).reshape(h.shape[0], self.A), g, u)
+                h = self.add_residual(h, (o, mod[2]))

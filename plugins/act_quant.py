@@ -1,12 +1,13 @@
 """Per-token FP8 activation quantization, alone and fused with what comes before each block
-linear: layer norm and AdaLN modulation before the input projection, SwiGLU (and the
-concatenation with the attention output) before the output projection. Each program owns
+linear: layer norm and AdaLN modulation before the input projection (with the previous
+block's gated residual add in front of it), SwiGLU (and the concatenation with the attention
+output) before the output projection. Each program owns
 one row (token), so the per-token scale (amax / 448) needs no second kernel. The kernels
 round where the references round (to the compute dtype after each torch op), so they differ
 only where fp32 evaluation order or fused multiply-adds move a compute-dtype rounding.
 
 References: charengine.fp8.quantize_rows (scale = amax / 448, saturate, round to nearest
-even), `norm_modulate_reference`, `swiglu_reference`.
+even), `norm_modulate_reference`, `residual_norm_modulate_reference`, `swiglu_reference`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ def norm_modulate_reference(h: torch.Tensor, shift: torch.Tensor, scale: torch.T
     """LN(h) * (1 + scale) + shift, quantized per token. h [T, d]; shift, scale [d]."""
     xm = F.layer_norm(h, (h.shape[-1],), eps=eps) * (1 + scale) + shift
     return fp8.quantize_rows(xm)
+
+
+def residual_norm_modulate_reference(h: torch.Tensor, o: torch.Tensor, gate: torch.Tensor,
+                                     shift: torch.Tensor, scale: torch.Tensor, eps: float):
+    """h + gate * o (the previous block's gated residual, one rounding as torch.addcmul), then
+    as `norm_modulate_reference`. h, o [T, d]; gate, shift, scale [d]. Returns (q, scale, the
+    new h)."""
+    h = torch.addcmul(h, gate, o)
+    return (*norm_modulate_reference(h, shift, scale, eps), h)
 
 
 def swiglu_reference(attn: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
@@ -49,6 +59,16 @@ def triton_act_quant(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, 
 def triton_norm_modulate_quant(h, shift, scale, eps, warps: int | None = None):
     """The kernel; arguments and result as `norm_modulate_reference`. One program per token
     holds its whole row in registers."""
+    return _norm_modulate(h, None, None, shift, scale, eps, warps)[:2]
+
+
+def triton_residual_norm_modulate_quant(h, o, gate, shift, scale, eps, warps: int | None = None):
+    """The kernel with the residual add in front; arguments and result as
+    `residual_norm_modulate_reference`."""
+    return _norm_modulate(h, o, gate, shift, scale, eps, warps)
+
+
+def _norm_modulate(h, o, gate, shift, scale, eps, warps):
     import triton
 
     if h.stride(-1) != 1:
@@ -56,13 +76,20 @@ def triton_norm_modulate_quant(h, shift, scale, eps, warps: int | None = None):
     T, d = h.shape
     q = torch.empty((T, d), dtype=fp8.FP8, device=h.device)
     s = torch.empty((T, 1), dtype=torch.float32, device=h.device)
+    residual = o is not None
+    if residual:
+        o, gate = o.contiguous(), gate.contiguous()
+        h_out = torch.empty_like(h)
+    else:
+        o = gate = h_out = h  # unused pointers
     block = triton.next_power_of_2(d)
     from .kernels.act_quant import norm_modulate_quant_kernel
 
-    norm_modulate_quant_kernel[(T,)](h, shift.contiguous(), scale.contiguous(), q, s, d, eps,
-                                     h.stride(0), q.stride(0), BLOCK=block,
+    norm_modulate_quant_kernel[(T,)](h, shift.contiguous(), scale.contiguous(), q, s, o, gate,
+                                     h_out, d, eps, h.stride(0), q.stride(0), o.stride(0),
+                                     h_out.stride(0), BLOCK=block, RESIDUAL=residual,
                                      num_warps=warps or max(1, min(16, block // 512)))
-    return q, s
+    return q, s, h_out
 
 
 def triton_swiglu_quant(attn, gate, up, warps: int = 8, chunk: int = 2048):
@@ -85,20 +112,23 @@ def triton_swiglu_quant(attn, gate, up, warps: int = 8, chunk: int = 2048):
 
 @dataclass(frozen=True)
 class ActQuantOps:
-    """The three quantizations a block runs, as kernels or references."""
+    """The quantizations a block runs, as kernels or references."""
 
     quantize_rows: object
     norm_modulate: object
+    residual_norm_modulate: object
     swiglu: object
 
 
 def select(device: torch.device) -> ActQuantOps:
     """The Triton kernels on CUDA, else the references."""
     if device.type == "cuda":
-        return ActQuantOps(triton_act_quant, triton_norm_modulate_quant, triton_swiglu_quant)
+        return ActQuantOps(triton_act_quant, triton_norm_modulate_quant,
+                           triton_residual_norm_modulate_quant, triton_swiglu_quant)
     return plain()
 
 
 def plain() -> ActQuantOps:
     """The references, used where fused_act_quant is off."""
-    return ActQuantOps(reference, norm_modulate_reference, swiglu_reference)
+    return ActQuantOps(reference, norm_modulate_reference, residual_norm_modulate_reference,
+                       swiglu_reference)

@@ -163,6 +163,14 @@ def bench_act(spec, shape, calls, reps, dev):
     for w in (None, 4, 8, 16):
         variants.append((f"norm_modulate_triton_w{w}", lambda i, w=w: act_quant.triton_norm_modulate_quant(
             hs[i % n], shift, scale, 1e-6, warps=w)))
+    os_ = [torch.randn(T, d, device=dev, generator=g).to(torch.bfloat16) for _ in range(n)]
+    gate = (torch.randn(d, device=dev, generator=g) * 0.1).to(torch.bfloat16)
+    variants.append(("addcmul_then_norm_modulate_triton", lambda i: act_quant.triton_norm_modulate_quant(
+        torch.addcmul(hs[i % n], gate, os_[i % n]), shift, scale, 1e-6)))
+    for w in (None, 8, 16):
+        variants.append((f"residual_norm_modulate_triton_w{w}",
+                         lambda i, w=w: act_quant.triton_residual_norm_modulate_quant(
+                             hs[i % n], os_[i % n], gate, shift, scale, 1e-6, warps=w)))
     for w, c in ((8, 2048), (4, 1024), (16, 2048), (8, 1024), (16, 4096)):
         variants.append((f"swiglu_triton_w{w}_c{c}", lambda i, w=w, c=c: act_quant.triton_swiglu_quant(
             att[i % n], gu[i % n][:, :M], gu[i % n][:, M:], warps=w, chunk=c)))

@@ -75,7 +75,9 @@ def test_fp8_attention_reads_a_transposed_value_store(tma):
 
 @pytest.mark.parametrize("H,T,D", [(20, 757, 128), (3, 17, 16), (2, 33, 8)])
 @pytest.mark.parametrize("quant", [True, False])
-def test_pre_attention_matches_reference(H, T, D, quant):
+@pytest.mark.parametrize("scattered", [False, True])
+def test_pre_attention_matches_reference(H, T, D, quant, scattered):
+    """A frame's slots as a run (as KVCache.frame_index gives them) or scattered."""
     g = torch.Generator(device=DEV).manual_seed(T)
     S = 4 * T + 11
     y = (torch.randn(T, 3 * H * D, device=DEV, generator=g) * 3).to(torch.bfloat16)
@@ -84,6 +86,8 @@ def test_pre_attention_matches_reference(H, T, D, quant):
     kn = (torch.rand(D, device=DEV, generator=g) + 0.5).to(torch.bfloat16)
     cos, sin = cos_sin(torch.rand(T, D // 2, device=DEV, generator=g) * 6)
     idx = 5 + 2 * T + torch.arange(T, device=DEV)
+    if scattered:
+        idx = idx[torch.randperm(T, device=DEV, generator=g)]
     dt = fp8.FP8 if quant else torch.bfloat16
     ks = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.01 + 0.005 if quant else None
     vs = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.01 + 0.005 if quant else None
@@ -149,6 +153,24 @@ def test_norm_modulate_quant_matches_reference(T, d):
                     for _ in range(2))
     ref = act_quant.norm_modulate_reference(h, shift, scale, 1e-6)
     assert_quantized_rows_close(ref, act_quant.triton_norm_modulate_quant(h, shift, scale, 1e-6))
+
+
+@pytest.mark.parametrize("T,d", [(757, 7680), (31, 100)])
+def test_residual_norm_modulate_quant_matches_reference(T, d):
+    """The previous block's gated residual added in front: the new h (stored, poisoned first)
+    within one bf16 rounding of torch.addcmul's, the quantized rows as the reference's."""
+    g = torch.Generator(device=DEV).manual_seed(d + 1)
+    h, o = ((torch.randn(T, d, device=DEV, generator=g) * 4 + 1).to(torch.bfloat16)
+            for _ in range(2))
+    gate, shift, scale = ((torch.randn(d, device=DEV, generator=g) * 0.3).to(torch.bfloat16)
+                          for _ in range(3))
+    rq, rs, rh = act_quant.residual_norm_modulate_reference(h, o, gate, shift, scale, 1e-6)
+    h_before = h.clone()
+    tq, ts, th = act_quant.triton_residual_norm_modulate_quant(h, o, gate, shift, scale, 1e-6)
+    assert torch.equal(h, h_before)  # the old h is left as it was
+    assert ((th.float() - rh.float()).abs() <= rh.float().abs() * 2.0 ** -8).all()
+    assert (th == rh).float().mean() > 0.99
+    assert_quantized_rows_close((rq, rs), (tq, ts))
 
 
 def assert_quantized_rows_close(ref, out):
@@ -235,3 +257,4 @@ def test_pre_attention_writes_a_transposed_value_store():
     pre_attention.triton_pre_attention(q, k, v, qn, kn, 1e-6, cos, sin, k8[1], vt, ks, vs, idx)
     assert torch.equal(vt[:, idx].view(torch.uint8), rows[:, idx].view(torch.uint8))
     assert (vt[:, :100].view(torch.uint8) == NAN8).all()
+    assert (vt[:, 100 + T:].view(torch.uint8) == NAN8).all()

@@ -17,12 +17,21 @@ def baseline_fp32():
 
 @pytest.mark.parametrize("upto", ["baked_adaln", "rope_at_write", "ring_cache",
                                   "conditioning_cache", "fused_pre_attention",
-                                  "fused_gemm_allreduce"])
+                                  "fused_residual", "fused_gemm_allreduce"])
 def test_each_cumulative_arm_equals_baseline_in_fp32(baseline_fp32, upto):
     sw = Switches.cumulative(upto)
     sw = Switches(**{**sw.__dict__, "fp8_kv": False})  # fp32 numerics has no FP8 cache
     out = rollout(preset("tiny", switches=sw, numerics=FP32), STEPS)
     assert rel_err(baseline_fp32, out).max() < 1e-5
+
+
+def test_the_fused_residual_add_is_the_same_sum():
+    """With fused_residual the gated residual is added inside the next block's norm +
+    quantization (its reference here: the same torch.addcmul), so production steps equal the
+    unfused ones exactly (a lost residual, the last block's included, would show)."""
+    fused = rollout(preset("tiny"), 12)
+    unfused = rollout(preset("tiny", switches=Switches(fused_residual=False)), 12)
+    assert torch.equal(fused, unfused)
 
 
 def test_skipping_the_delta_rotation_breaks_parity(baseline_fp32):

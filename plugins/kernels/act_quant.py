@@ -23,13 +23,23 @@ def act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.const
 
 
 @triton.jit
-def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, d, eps,
-                               stride_h, stride_q, BLOCK: tl.constexpr):
+def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, o_ptr, gate_ptr,
+                               hout_ptr, d, eps, stride_h, stride_q, stride_o, stride_hout,
+                               BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+    """One token's row: with RESIDUAL, first h + gate * o (the previous block's gated
+    residual, rounded to the compute dtype and stored), then LN, modulation and the per-token
+    quantization."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < d
     dt = h_ptr.dtype.element_ty
     x = tl.load(h_ptr + row * stride_h + offs, mask=m, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        o = tl.load(o_ptr + row * stride_o + offs, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        x = (x + g * o).to(dt)
+        tl.store(hout_ptr + row * stride_hout + offs, x, mask=m)
+        x = x.to(tl.float32)
     mean = tl.sum(x, 0) / d
     xc = tl.where(m, x - mean, 0.0)
     rstd = tl.math.rsqrt(tl.sum(xc * xc, 0) / d + eps)
@@ -43,6 +53,7 @@ def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, d, eps
     tl.store(s_ptr + row, s)
     y = tl.clamp(tl.math.div_rn(xm, s), -448.0, 448.0)
     tl.store(q_ptr + row * stride_q + offs, y.to(tl.float8e4nv), mask=m)
+
 
 @triton.jit
 def _swiglu(g_ptr, u_ptr, offs, m, dt):

@@ -1,0 +1,108 @@
+"""How far a numerics switch moves the output: one rank slice with random weights made on the
+GPU, the same session (same weights, noise, audio, reference and prompt; eager steps) run under
+each numerics variant, and each step's latent compared with the default numerics' by relative
+L2 error. The default run is repeated to show the comparison's floor (run-to-run).
+
+    python scripts/numerics_compare.py --preset characters-57b --tp 3 --steps 48
+
+Variants: `fast_accum` (cuBLASLt FP8 fast accumulation), `bf16_gemm` (the block linears in
+bf16 over the dequantized FP8 weights: the error FP8 activations bring, for scale).
+Writes docs/results/numerics_<preset>_<layout>_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from charengine.cache import KVCache
+from charengine.config import RankShape, preset
+from charengine.engine_format import this_machine
+from charengine.model import CharacterDiT, bake_adaln
+from charengine.step import Session, ar_step
+from charengine.weights import random_rank_state
+
+VARIANTS = {
+    "default": {},
+    "fast_accum": {"fast_accum": True},
+    "bf16_gemm": {"fp8_gemm": False},
+}
+
+
+def session_latents(model, cache, cfg, inputs) -> torch.Tensor:
+    model.cfg = cfg
+    session = Session(model, cache, ar_step)
+    ref, prompt, steps = inputs
+    session.start(ref, prompt)
+    return torch.stack([session.step(noise, audio).float().cpu() for noise, audio in steps])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="characters-57b")
+    ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=48, help="crosses the reset at step 42")
+    ap.add_argument("--exclude", type=int, default=6, help="steps left out of the summary")
+    ap.add_argument("--variants", default="fast_accum,bf16_gemm")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--gpu-tag", default="h200")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    base = preset(args.preset, tp=args.tp)
+    spec = base.model
+    shape = RankShape.of(spec, args.tp, args.rank)
+    g = torch.Generator().manual_seed(args.seed + 1)  # CPU: the same inputs on any device
+    lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
+    inputs = (torch.randn(lat, generator=g).to(device),
+              torch.randn(spec.prompt_tokens, spec.text_dim, generator=g).to(device),
+              [(torch.randn(lat, generator=g).to(device),
+                torch.randn(spec.audio_tokens, spec.audio_dim, generator=g).to(device))
+               for _ in range(args.steps)])
+    with torch.inference_mode():
+        state, adaln_w = random_rank_state(spec, shape, args.seed, device,
+                                           getattr(torch, base.numerics.dtype))
+        model = CharacterDiT(base, shape, state, adaln_tables=bake_adaln(base, adaln_w),
+                             device=device)
+        del state, adaln_w
+        cache = KVCache(base, shape.heads, device)
+        t0 = time.perf_counter()
+        ref = session_latents(model, cache, base, inputs)
+        out = {"default_again": session_latents(model, cache, base, inputs)}
+        for name in args.variants.split(","):
+            if name not in VARIANTS or name == "default":
+                raise SystemExit(f"unknown variant {name!r}; known: "
+                                 f"{', '.join(v for v in VARIANTS if v != 'default')}")
+            cfg = base.replace(numerics=dataclasses.replace(base.numerics, **VARIANTS[name]))
+            out[name] = session_latents(model, cache, cfg, inputs)
+        wall = time.perf_counter() - t0
+
+    result = {"preset": args.preset, "layout": f"tp{args.tp}-rank{args.rank}",
+              "gpu": args.gpu_tag, "steps": args.steps, "exclude": args.exclude,
+              "machine": this_machine(), "date": time.strftime("%Y-%m-%d"), "wall_s": wall,
+              "variants": {}}
+    for name, lat_v in out.items():
+        err = ((lat_v - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).tolist()
+        kept = err[args.exclude:]
+        result["variants"][name] = {"rel_l2_median": statistics.median(kept),
+                                    "rel_l2_max": max(kept), "rel_l2_per_step": err}
+        print(f"{name:14s} rel L2 vs default: median {statistics.median(kept):.3e}, "
+              f"max {max(kept):.3e} (steps {args.exclude}-{args.steps - 1})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"numerics_{args.preset}_{result['layout']}_{args.gpu_tag}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
