@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -48,6 +49,50 @@ def step_flops(cfg: EngineConfig, shape: RankShape) -> tuple[float, float]:
     slots = spec.global_tokens + cfg.cache.window * T
     attn = 4 * T * slots * shape.attn_width(spec) * calls
     return gemm, attn
+
+
+class ClockSampler:
+    """nvidia-smi sampling the GPU's SM clock, power and active clock-limit reasons every
+    `period_ms` while the steps run (H100/H200 hold 700 W: a sustained FP8 load runs at the
+    power cap, below the boost clock). Nothing is sampled without nvidia-smi."""
+
+    POWER_CAP = 0x4  # clocks_event_reasons bit: software power cap
+
+    def __init__(self, index: int, period_ms: int = 200):
+        self.cmd = ["nvidia-smi", "-i", str(index), "--format=csv,noheader,nounits",
+                    "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                    f"-lms={period_ms}"]
+        self.proc = None
+
+    def __enter__(self):
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+        except FileNotFoundError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is None:
+            self.summary = None
+            return
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=10)
+        rows = []
+        for line in out.splitlines():
+            try:
+                clock, power, reasons = (x.strip() for x in line.split(","))
+                rows.append((float(clock), float(power), int(reasons, 16)))
+            except ValueError:
+                continue
+        busy = [r for r in rows if r[1] > 300]  # samples under load, not idle gaps
+        self.summary = None if not busy else {
+            "samples": len(busy),
+            "sm_clock_mhz_median": statistics.median(r[0] for r in busy),
+            "sm_clock_mhz_min": min(r[0] for r in busy),
+            "power_w_median": statistics.median(r[1] for r in busy),
+            "power_capped_fraction": sum(bool(r[2] & self.POWER_CAP) for r in busy) / len(busy),
+        }
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -262,6 +307,9 @@ def main():
         start_s = time.perf_counter() - t1
         marks, host = [], []
         sync_checked = False
+        clocks = ClockSampler(device.index or 0) if device.type == "cuda" else None
+        if clocks is not None:
+            clocks.__enter__()
         for k in range(args.steps):
             steady = graphed and k > cfg.cache.calibration_steps + 1
             if steady and not sync_checked:
@@ -274,6 +322,7 @@ def main():
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize()
+            clocks.__exit__(None, None, None)
         diffusion = [elapsed_ms(device, p) for p in marks]
         if device.type == "cuda":
             period = [marks[k - 1][1].elapsed_time(marks[k][1]) for k in range(1, len(marks))]
@@ -312,6 +361,7 @@ def main():
         "step_over_floor": d50 / (fl["fp8_gemm_ms"] + fl["attention_ms"]),
         "build_s": build_s, "session_start_s": start_s,
         "sync_debug_mode_checked": sync_checked,
+        "clocks_during_steps": clocks.summary if clocks is not None else None,
         "machine": this_machine(), "date": time.strftime("%Y-%m-%d"),
         "diffusion_ms": diffusion, "period_ms": period,
     }
@@ -325,6 +375,9 @@ def main():
         f"{k}={result[k]:.2f}" for k in keys if result[k] is not None))
     print("components (ms/step): " + ", ".join(f"{k}={v:.2f}" for k, v in comps.items()))
     print("floors (ms/step): " + ", ".join(f"{k}={v:.2f}" for k, v in fl.items()))
+    if result["clocks_during_steps"]:
+        print("clocks during the steps: " + ", ".join(
+            f"{k}={v:.2f}" for k, v in result["clocks_during_steps"].items()))
 
 
 if __name__ == "__main__":
