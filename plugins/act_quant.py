@@ -110,6 +110,38 @@ def triton_swiglu_quant(attn, gate, up, warps: int = 8, chunk: int = 2048):
     return q, s
 
 
+def pow2_split(n: int) -> tuple[int, int]:
+    """n as its largest power of two and the power of two covering the rest (0 if none):
+    10,240 -> (8192, 2048), 2,560 -> (2048, 512), 100 -> (64, 64)."""
+    hi = 1 << (n.bit_length() - 1)
+    rest = n - hi
+    return hi, (1 << (rest - 1).bit_length()) if rest else 0
+
+
+def triton_swiglu_quant_row(attn, gate, up, warps: int = 8):
+    """The one-pass kernel (the row in registers, every input read once); arguments and
+    result as `swiglu_reference`."""
+    T, A = attn.shape
+    M = gate.shape[1]
+    for name, t in (("attn", attn), ("gate", gate), ("up", up)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs contiguous rows")
+    q = torch.empty((T, A + M), dtype=fp8.FP8, device=attn.device)
+    s = torch.empty((T, 1), dtype=torch.float32, device=attn.device)
+    from .kernels.act_quant import swiglu_quant_row_kernel
+
+    (a_hi, a_lo), (m_hi, m_lo) = pow2_split(A), pow2_split(M)
+    swiglu_quant_row_kernel[(T,)](attn, gate, up, q, s, A, M, attn.stride(0), gate.stride(0),
+                                  up.stride(0), q.stride(0), A_HI=a_hi, A_LO=a_lo, M_HI=m_hi,
+                                  M_LO=m_lo, num_warps=warps)
+    return q, s
+
+
+# The SwiGLU kernel the op runs: the one-pass kernel, 19.4 against 25.8 us for the two-pass
+# one at the rank slice (scripts/bench_kernels.py, docs/PERFORMANCE.md).
+triton_swiglu = triton_swiglu_quant_row
+
+
 @dataclass(frozen=True)
 class ActQuantOps:
     """The quantizations a block runs, as kernels or references."""
@@ -120,12 +152,15 @@ class ActQuantOps:
     swiglu: object
 
 
-def select(device: torch.device) -> ActQuantOps:
-    """The Triton kernels on CUDA, else the references."""
-    if device.type == "cuda":
-        return ActQuantOps(triton_act_quant, triton_norm_modulate_quant,
-                           triton_residual_norm_modulate_quant, triton_swiglu_quant)
-    return plain()
+def select(device: torch.device | None = None) -> ActQuantOps:
+    """The custom ops (plugins/custom_ops.py): the Triton kernels on CUDA tensors, the
+    references on CPU ones (called as overloads: the op objects' own call costs ~10 us more
+    per call on the host)."""
+    from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
+
+    ops = torch.ops.charengine
+    return ActQuantOps(ops.act_quant.default, ops.norm_modulate_quant.default,
+                       ops.residual_norm_modulate_quant.default, ops.swiglu_quant.default)
 
 
 def plain() -> ActQuantOps:

@@ -48,6 +48,11 @@ class AttentionTiles:
     p_fp8: bool = True  # P V as an FP8 dot (else P and V in bf16); fast with V stored [D, S]
     tma: bool = True  # tiles through TMA descriptors (else pointer loads)
 
+    def spec(self) -> str:
+        """The text `parse` reads back."""
+        return (f"{self.block_m},{self.block_n},{self.warps},{self.stages},"
+                f"{'fp8' if self.p_fp8 else 'bf16'},{'tma' if self.tma else 'ptr'}")
+
     @classmethod
     def parse(cls, text: str) -> "AttentionTiles":
         """'128,128,8,3,bf16,tma' -> AttentionTiles (the last field optional)."""
@@ -110,9 +115,17 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
-def select(device: torch.device, head_dim: int, tiles: AttentionTiles | None = None):
-    """The Triton kernel (with `tiles`, else the default) on CUDA for head dims it supports,
-    else the reference."""
-    if device.type != "cuda" or not supports(head_dim):
+def select(device: torch.device | None, head_dim: int, tiles: AttentionTiles | None = None):
+    """For head dims the kernel supports, the custom op (plugins/custom_ops.py: the Triton
+    kernel with `tiles`, else the default, on CUDA tensors; the reference on CPU ones), with
+    `reference`'s signature; else the reference."""
+    if not supports(head_dim):
         return reference
-    return functools.partial(triton_attention, tiles=tiles or AttentionTiles())
+    return functools.partial(_op, tiles=(tiles or AttentionTiles()).spec())
+
+
+def _op(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles: str):
+    from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
+
+    return torch.ops.charengine.fp8_attention.default(q8, q_scale, k8, v8, k_scale, v_scale,
+                                                      out_dtype, tiles)

@@ -41,6 +41,9 @@ def triton_delta_rotation(k8, k_scale, first_slot, omega_t, delta, block_r: int 
         NT=nt, BLOCK_R=block_r, BLOCK_J=triton.next_power_of_2(nt), num_warps=4)
 
 
-def select(device: torch.device):
-    """The Triton kernel on CUDA, else the reference."""
-    return triton_delta_rotation if device.type == "cuda" else reference
+def select(device: torch.device | None = None):
+    """The custom op (plugins/custom_ops.py): the Triton kernel on CUDA tensors, the reference
+    on CPU ones."""
+    from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
+
+    return torch.ops.charengine.delta_rotation.default

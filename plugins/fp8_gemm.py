@@ -49,8 +49,11 @@ def triton_scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
 
 
 def _triton(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum: bool = False):
-    """The Triton kernel with fp8.scaled_mm's signature (it always accumulates in fp32)."""
-    return triton_scaled_mm(a_q, a_scale, w_q, w_scale, out_dtype)
+    """The Triton kernel's custom op (plugins/custom_ops.py; the CPU emulation on CPU tensors)
+    with fp8.scaled_mm's signature (it always accumulates in fp32)."""
+    from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
+
+    return torch.ops.charengine.fp8_gemm.default(a_q, a_scale, w_q, w_scale, out_dtype)
 
 
 def op(choice: str | None):

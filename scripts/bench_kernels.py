@@ -171,6 +171,16 @@ def bench_act(spec, shape, calls, reps, dev):
         variants.append((f"residual_norm_modulate_triton_w{w}",
                          lambda i, w=w: act_quant.triton_residual_norm_modulate_quant(
                              hs[i % n], os_[i % n], gate, shift, scale, 1e-6, warps=w)))
+    for w in (8, 16, 32):
+        variants.append((f"swiglu_row_triton_w{w}", lambda i, w=w: act_quant.triton_swiglu_quant_row(
+            att[i % n], gu[i % n][:, :M], gu[i % n][:, M:], warps=w)))
+    # as in the step: gate and up strided views of the input projection's output
+    proj = [torch.randn(T, 3 * A + 2 * M, device=dev, generator=g).to(torch.bfloat16)
+            for _ in range(n)]
+    for name, fn in (("swiglu_triton_w8_c2048_strided", act_quant.triton_swiglu_quant),
+                     ("swiglu_row_triton_w8_strided", act_quant.triton_swiglu_quant_row)):
+        variants.append((name, lambda i, fn=fn: fn(att[i % n], proj[i % n][:, 3 * A:3 * A + M],
+                                                    proj[i % n][:, 3 * A + M:])))
     for w, c in ((8, 2048), (4, 1024), (16, 2048), (8, 1024), (16, 4096)):
         variants.append((f"swiglu_triton_w{w}_c{c}", lambda i, w=w, c=c: act_quant.triton_swiglu_quant(
             att[i % n], gu[i % n][:, :M], gu[i % n][:, M:], warps=w, chunk=c)))

@@ -173,6 +173,17 @@ def test_residual_norm_modulate_quant_matches_reference(T, d):
     assert_quantized_rows_close((rq, rs), (tq, ts))
 
 
+@pytest.mark.parametrize("T,A,M", [(757, 2560, 10240), (19, 48, 80), (3, 100, 37)])
+def test_one_pass_swiglu_quant_equals_the_two_pass_kernel(T, A, M):
+    """Same per-element arithmetic, the row held in registers: the same bytes and scales."""
+    g = torch.Generator(device=DEV).manual_seed(M + 7)
+    attn = torch.randn(T, A, device=DEV, generator=g).to(torch.bfloat16)
+    gu = (torch.randn(T, 2 * M, device=DEV, generator=g) * 2).to(torch.bfloat16)
+    q1, s1 = act_quant.triton_swiglu_quant(attn, gu[:, :M], gu[:, M:])
+    q2, s2 = act_quant.triton_swiglu_quant_row(attn, gu[:, :M], gu[:, M:])
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
+
+
 def assert_quantized_rows_close(ref, out):
     """Scales within one bf16 unit of the row's amax; each value within one e4m3 rounding
     (2^-4 relative) of the reference's, each side, plus the bf16 units that moved."""

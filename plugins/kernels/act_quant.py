@@ -28,7 +28,8 @@ def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, o_ptr,
                                BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
     """One token's row: with RESIDUAL, first h + gate * o (the previous block's gated
     residual, rounded to the compute dtype and stored), then LN, modulation and the per-token
-    quantization."""
+    quantization. (Several rows per program, sharing the modulation vectors, measured slower:
+    23.6-37.8 against 22.5 us at the rank slice.)"""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < d
@@ -92,3 +93,40 @@ def swiglu_quant_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, strid
         y = tl.clamp(tl.math.div_rn(_swiglu(g_row, u_row, offs, offs < M, dt), s),
                      -448.0, 448.0)
         tl.store(q_row + A + offs, y.to(tl.float8e4nv), mask=offs < M)
+
+
+@triton.jit
+def swiglu_quant_row_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, stride_g,
+                            stride_u, stride_q, A_HI: tl.constexpr, A_LO: tl.constexpr,
+                            M_HI: tl.constexpr, M_LO: tl.constexpr):
+    """One token's row [attn, silu(gate) * up] in one pass, held in registers: each part as
+    its largest power of two (HI, no mask) and the power of two that covers the rest (LO,
+    masked; 0 when there is none), so a 10,240-wide MLP row takes 8,192 + 2,048 lanes instead
+    of 16,384. Every input is read once; the per-element arithmetic is swiglu_quant_kernel's."""
+    row = tl.program_id(0)
+    dt = a_ptr.dtype.element_ty
+    a_row, g_row, u_row = a_ptr + row * stride_a, g_ptr + row * stride_g, u_ptr + row * stride_u
+    q_row = q_ptr + row * stride_q
+    oa = tl.arange(0, A_HI)
+    a_hi = tl.load(a_row + oa).to(tl.float32)
+    om = tl.arange(0, M_HI)
+    y_hi = _swiglu(g_row, u_row, om, om < M, dt)
+    amax = tl.maximum(tl.max(tl.abs(a_hi), 0), tl.max(tl.abs(y_hi), 0))
+    if A_LO > 0:
+        oal = A_HI + tl.arange(0, A_LO)
+        a_lo = tl.load(a_row + oal, mask=oal < A, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(a_lo), 0))
+    if M_LO > 0:
+        oml = M_HI + tl.arange(0, M_LO)
+        y_lo = _swiglu(g_row, u_row, oml, oml < M, dt)
+        amax = tl.maximum(amax, tl.max(tl.abs(y_lo), 0))
+    s = tl.maximum(amax, 1e-12) / 448.0
+    tl.store(s_ptr + row, s)
+    tl.store(q_row + oa, tl.clamp(tl.math.div_rn(a_hi, s), -448.0, 448.0).to(tl.float8e4nv))
+    tl.store(q_row + A + om, tl.clamp(tl.math.div_rn(y_hi, s), -448.0, 448.0).to(tl.float8e4nv))
+    if A_LO > 0:
+        tl.store(q_row + oal, tl.clamp(tl.math.div_rn(a_lo, s), -448.0, 448.0)
+                 .to(tl.float8e4nv), mask=oal < A)
+    if M_LO > 0:
+        tl.store(q_row + A + oml, tl.clamp(tl.math.div_rn(y_lo, s), -448.0, 448.0)
+                 .to(tl.float8e4nv), mask=oml < M)

@@ -1,0 +1,113 @@
+"""The plugin kernels as torch custom ops (plugins/custom_ops.py): torch's own op checks
+(schema and declared mutations, fake kernels against real outputs, dispatch) on real inputs,
+on CPU (the references) and, on the GPU machine, CUDA (the Triton kernels)."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from charengine import fp8
+from charengine.plugins import act_quant, attention, custom_ops, delta_rotation, fp8_gemm, \
+    pre_attention
+from charengine.rope import cos_sin
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def gen(device, seed):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def rnd(*shape, device, g, scale=1.0, dtype=torch.bfloat16):
+    return (torch.randn(*shape, device=device, generator=g) * scale).to(dtype)
+
+
+def pre_attention_args(device, quantize_q, H=2, T=9, D=32, S=40):
+    g = gen(device, 1)
+    y = rnd(T, 3 * H * D, device=device, g=g, scale=3)
+    q, k, v = (t.reshape(T, H, D).transpose(0, 1) for t in y.split(H * D, -1))
+    norm = (torch.rand(D, device=device, generator=g) + 0.5).to(torch.bfloat16)
+    cos, sin = cos_sin(torch.rand(T, D // 2, device=device, generator=g))
+    stores = [torch.zeros(H, S, D, dtype=fp8.FP8, device=device) for _ in range(2)]
+    scale = torch.full((H, 1, 1), 0.02, device=device)
+    idx = 7 + torch.arange(T, device=device)
+    return (q, k, v, norm, norm, 1e-6, cos, sin, *stores, scale, scale, idx, quantize_q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_op_passes_torchs_op_checks(device):
+    g = gen(device, 0)
+    h, o = rnd(5, 64, device=device, g=g), rnd(5, 64, device=device, g=g)
+    vec = rnd(64, device=device, g=g, scale=0.2)
+    checks = [
+        (custom_ops.act_quant, (h,)),
+        (custom_ops.norm_modulate_quant, (h, vec, vec, 1e-6)),
+        (custom_ops.residual_norm_modulate_quant, (h, o, vec, vec, vec, 1e-6)),
+        (custom_ops.swiglu_quant, (h[:, :16], h[:, 16:40], h[:, 40:])),
+        (custom_ops.pre_attention, pre_attention_args(device, True)),
+        (custom_ops.pre_attention, pre_attention_args(device, False)),
+    ]
+    q8, qs = fp8.quantize_rows(rnd(2, 9, 32, device=device, g=g))
+    k8 = fp8.quantize(rnd(2, 40, 32, device=device, g=g), 0.01)
+    sc = torch.full((2, 1, 1), 0.01, device=device)
+    checks.append((custom_ops.fp8_attention,
+                   (q8, qs, k8, k8, sc, sc, torch.bfloat16, attention.AttentionTiles().spec())))
+    cache = fp8.quantize(rnd(3, 2, 40, 32, device=device, g=g, scale=3), 0.05)
+    omega = torch.rand(4, device=device, generator=g)
+    checks.append((custom_ops.delta_rotation,
+                   (cache, torch.full((3, 2, 1, 1), 0.05, device=device), 10, omega, -42.0)))
+    a8, a_s = fp8.quantize_rows(rnd(9, 64, device=device, g=g))
+    w8, w_s = fp8.quantize_rows(rnd(48, 64, device=device, g=g))
+    checks.append((custom_ops.fp8_gemm, (a8, a_s, w8, w_s.reshape(-1), torch.bfloat16)))
+    for op, args in checks:
+        # torch's schema check compares inputs before and after with allclose, which has no
+        # FP8 kernel: ops with FP8 tensors skip it, and the declared writes are checked below
+        fp8_args = any(isinstance(a, torch.Tensor) and a.dtype == fp8.FP8 for a in args)
+        utils = [u for u in ("test_schema", "test_autograd_registration", "test_faketensor",
+                             "test_aot_dispatch_dynamic") if not (fp8_args and u == "test_schema")]
+        result = opcheck(op, args, test_utils=utils)
+        assert set(result.values()) == {"SUCCESS"}, (op, result)
+
+
+def test_the_ops_declare_exactly_the_tensors_they_write():
+    writes = {name: {a.name for a in getattr(torch.ops.charengine, name).default._schema.arguments
+                     if a.alias_info is not None and a.alias_info.is_write}
+              for name in ("act_quant", "norm_modulate_quant", "residual_norm_modulate_quant",
+                           "swiglu_quant", "pre_attention", "fp8_attention", "delta_rotation",
+                           "fp8_gemm")}
+    assert writes == {"act_quant": set(), "norm_modulate_quant": set(),
+                      "residual_norm_modulate_quant": set(), "swiglu_quant": set(),
+                      "pre_attention": {"k_store", "v_store"}, "fp8_attention": set(),
+                      "delta_rotation": {"k8"}, "fp8_gemm": set()}
+
+
+def test_on_cpu_the_ops_are_the_references():
+    """The switch picks the op once; on CPU tensors the op runs the plain reference."""
+    args = pre_attention_args("cpu", True)
+    ref_stores = [t.clone() for t in args[8:10]]
+    ref = pre_attention.reference(*args[:8], *ref_stores, *args[10:])
+    out = pre_attention.select()(*args)
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8 else a,
+                           b.view(torch.uint8) if b.dtype == fp8.FP8 else b)
+               for a, b in zip((*ref, *ref_stores), (*out, *args[8:10])))
+    assert args[8].view(torch.uint8).any()  # the op wrote the store it was given
+    g = gen("cpu", 3)
+    h = rnd(6, 64, device="cpu", g=g)
+    vec = rnd(64, device="cpu", g=g, scale=0.2)
+    ops = act_quant.select()
+    for a, b in zip(ops.norm_modulate(h, vec, vec, 1e-6),
+                    act_quant.norm_modulate_reference(h, vec, vec, 1e-6)):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8 else a,
+                           b.view(torch.uint8) if b.dtype == fp8.FP8 else b)
+    cache = fp8.quantize(rnd(2, 2, 20, 32, device="cpu", g=g, scale=3), 0.05)
+    twin, omega = cache.clone(), torch.rand(4, generator=g)
+    sc = torch.full((2, 2, 1, 1), 0.05)
+    delta_rotation.select()(cache, sc, 5, omega, 3.0)
+    delta_rotation.reference(twin, sc, 5, omega, 3.0)
+    assert torch.equal(cache.view(torch.uint8), twin.view(torch.uint8))
+    assert not torch.equal(cache.view(torch.uint8)[:, :, 5:], fp8.quantize(
+        rnd(2, 2, 20, 32, device="cpu", g=gen("cpu", 3), scale=3), 0.05).view(torch.uint8)[:, :, 5:])
+    a8, a_s = fp8.quantize_rows(rnd(9, 64, device="cpu", g=g))
+    w8, w_s = fp8.quantize_rows(rnd(48, 64, device="cpu", g=g))
+    assert torch.equal(fp8_gemm.op("triton")(a8, a_s, w8, w_s.reshape(-1), torch.bfloat16),
+                       fp8_gemm.reference(a8, a_s, w8, w_s.reshape(-1), torch.bfloat16))
