@@ -1,10 +1,15 @@
-"""The plugin kernels as torch custom ops, namespace `charengine`: each op's CUDA kernel is the
+"""The plugin kernels as torch operators, namespace `charengine`: each op's CUDA kernel is the
 Triton kernel, its CPU kernel the plain PyTorch reference, and its fake kernel gives output
 shapes to tracers (torch.compile, export). A plugin's `select` returns its op where the
 plugin's switch is on, so the choice is made once, at model build, and the op then runs the
 kernel or the reference by the device of its inputs.
 
-    torch.ops.charengine.norm_modulate_quant(h, shift, scale, eps)
+    torch.ops.charengine.norm_modulate_quant.default(h, shift, scale, eps)
+
+Registered through torch.library.Library with explicit schemas rather than the
+`torch.library.custom_op` decorator: that one wraps every kernel in a dynamo guard whose first
+call imports torch._dynamo and sympy (1.4-1.9 s on the CPU machine, 4 s more warm-up at worker
+start on the GPU machine), and costs ~30 us a call against ~4 here.
 
 The fused GEMM + all-reduce is not among them: it holds its TP group's symmetric buffers
 (plugins/gemm_allreduce.py), which an op's schema cannot carry.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.library import Library, register_fake
 
 from charengine import fp8
 
@@ -25,102 +31,95 @@ from . import pre_attention as pa
 
 NAMESPACE = "charengine"
 
+SCHEMAS = {
+    "act_quant": "(Tensor x) -> (Tensor, Tensor)",
+    "norm_modulate_quant": "(Tensor h, Tensor shift, Tensor scale, float eps) -> (Tensor, Tensor)",
+    "residual_norm_modulate_quant": "(Tensor h, Tensor o, Tensor gate, Tensor shift, "
+                                    "Tensor scale, float eps) -> (Tensor, Tensor, Tensor)",
+    "swiglu_quant": "(Tensor attn_out, Tensor gate, Tensor up) -> (Tensor, Tensor)",
+    "pre_attention": "(Tensor q, Tensor k, Tensor v, Tensor q_norm, Tensor k_norm, float eps, "
+                     "Tensor cos, Tensor sin, Tensor(a!) k_store, Tensor(b!) v_store, "
+                     "Tensor? k_scale, Tensor? v_scale, Tensor write_index, bool quantize_q) "
+                     "-> (Tensor, Tensor)",
+    "fp8_attention": "(Tensor q8, Tensor q_scale, Tensor k8, Tensor v8, Tensor k_scale, "
+                     "Tensor v_scale, ScalarType out_dtype, str tiles) -> Tensor",
+    "delta_rotation": "(Tensor(a!) k8, Tensor k_scale, int first_slot, Tensor omega_t, "
+                      "float delta) -> ()",
+    "fp8_gemm": "(Tensor a_q, Tensor a_scale, Tensor w_q, Tensor w_scale, ScalarType out_dtype) "
+                "-> Tensor",
+}
+
 
 def _rows_scale(x: Tensor, cols: int) -> tuple[Tensor, Tensor]:
     return (x.new_empty((x.shape[0], cols), dtype=fp8.FP8),
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
-# ---- per-token activation quantization ---------------------------------------------------
-@torch.library.custom_op(f"{NAMESPACE}::act_quant", mutates_args=())
-def act_quant(x: Tensor) -> tuple[Tensor, Tensor]:
-    return aq.reference(x)
+def _no_scale(q: Tensor) -> Tensor:
+    return q.new_empty(0, dtype=torch.float32)
 
 
-@act_quant.register_kernel("cuda")
-def _(x):
-    return aq.triton_act_quant(x)
+def _pre_attention(kernel):
+    def run(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale,
+            write_index, quantize_q):
+        out = kernel(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale,
+                     write_index, quantize_q)
+        return out if quantize_q else (out, _no_scale(q))
+    return run
 
 
-@act_quant.register_fake
-def _(x):
-    return _rows_scale(x, x.shape[1])
-
-
-@torch.library.custom_op(f"{NAMESPACE}::norm_modulate_quant", mutates_args=())
-def norm_modulate_quant(h: Tensor, shift: Tensor, scale: Tensor, eps: float
-                        ) -> tuple[Tensor, Tensor]:
-    return aq.norm_modulate_reference(h, shift, scale, eps)
-
-
-@norm_modulate_quant.register_kernel("cuda")
-def _(h, shift, scale, eps):
-    return aq.triton_norm_modulate_quant(h, shift, scale, eps)
-
-
-@norm_modulate_quant.register_fake
-def _(h, shift, scale, eps):
-    return _rows_scale(h, h.shape[1])
-
-
-@torch.library.custom_op(f"{NAMESPACE}::residual_norm_modulate_quant", mutates_args=())
-def residual_norm_modulate_quant(h: Tensor, o: Tensor, gate: Tensor, shift: Tensor,
-                                 scale: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    return aq.residual_norm_modulate_reference(h, o, gate, shift, scale, eps)
-
-
-@residual_norm_modulate_quant.register_kernel("cuda")
-def _(h, o, gate, shift, scale, eps):
-    return aq.triton_residual_norm_modulate_quant(h, o, gate, shift, scale, eps)
-
-
-@residual_norm_modulate_quant.register_fake
-def _(h, o, gate, shift, scale, eps):
-    return (*_rows_scale(h, h.shape[1]), torch.empty_like(h))
-
-
-@torch.library.custom_op(f"{NAMESPACE}::swiglu_quant", mutates_args=())
-def swiglu_quant(attn_out: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
-    return aq.swiglu_reference(attn_out, gate, up)
-
-
-@swiglu_quant.register_kernel("cuda")
-def _(attn_out, gate, up):
-    return aq.triton_swiglu(attn_out, gate, up)
-
-
-@swiglu_quant.register_fake
-def _(attn_out, gate, up):
-    return _rows_scale(attn_out, attn_out.shape[1] + gate.shape[1])
-
-
-# ---- pre-attention: norm, RoPE, quantize, ring write -------------------------------------
-@torch.library.custom_op(f"{NAMESPACE}::pre_attention", mutates_args=("k_store", "v_store"))
-def pre_attention(q: Tensor, k: Tensor, v: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float,
-                  cos: Tensor, sin: Tensor, k_store: Tensor, v_store: Tensor,
-                  k_scale: Tensor | None, v_scale: Tensor | None, write_index: Tensor,
-                  quantize_q: bool) -> tuple[Tensor, Tensor]:
-    out = pa.reference(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale,
-                       v_scale, write_index, quantize_q)
-    return out if quantize_q else (out, q.new_empty(0, dtype=torch.float32))
-
-
-@pre_attention.register_kernel("cuda")
-def _(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale, write_index,
-      quantize_q):
-    out = pa.triton_pre_attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store,
-                                  k_scale, v_scale, write_index, quantize_q)
-    return out if quantize_q else (out, q.new_empty(0, dtype=torch.float32))
-
-
-@pre_attention.register_fake
-def _(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale, write_index,
-      quantize_q):
+def _pre_attention_fake(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale,
+                        v_scale, write_index, quantize_q):
     H, T, D = q.shape
     if quantize_q:
         return (q.new_empty((H, T, D), dtype=fp8.FP8),
                 q.new_empty((H, T, 1), dtype=torch.float32))
-    return q.new_empty((H, T, D)), q.new_empty(0, dtype=torch.float32)
+    return q.new_empty((H, T, D)), _no_scale(q)
+
+
+def _attention_kernel(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
+    return attn.triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
+                                 attn.AttentionTiles.parse(tiles))
+
+
+def _attention_reference(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
+    return attn.reference(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype)
+
+
+def _attention_fake(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
+    H, T, D = q8.shape
+    return q8.new_empty((T, H * D), dtype=out_dtype)
+
+
+# name: (CPU kernel = the reference, CUDA kernel = Triton, fake kernel)
+KERNELS = {
+    "act_quant": (aq.reference, aq.triton_act_quant, lambda x: _rows_scale(x, x.shape[1])),
+    "norm_modulate_quant": (aq.norm_modulate_reference, aq.triton_norm_modulate_quant,
+                            lambda h, shift, scale, eps: _rows_scale(h, h.shape[1])),
+    "residual_norm_modulate_quant": (
+        aq.residual_norm_modulate_reference, aq.triton_residual_norm_modulate_quant,
+        lambda h, o, gate, shift, scale, eps: (*_rows_scale(h, h.shape[1]), torch.empty_like(h))),
+    "swiglu_quant": (aq.swiglu_reference, aq.triton_swiglu,
+                     lambda a, gate, up: _rows_scale(a, a.shape[1] + gate.shape[1])),
+    "pre_attention": (_pre_attention(pa.reference), _pre_attention(pa.triton_pre_attention),
+                      _pre_attention_fake),
+    "fp8_attention": (_attention_reference, _attention_kernel, _attention_fake),
+    "delta_rotation": (dr.reference, dr.triton_delta_rotation, lambda *args: None),
+    "fp8_gemm": (gemm.reference, gemm.triton_scaled_mm,
+                 lambda a_q, a_s, w_q, w_s, out_dtype: a_q.new_empty(
+                     (a_q.shape[0], w_q.shape[0]), dtype=out_dtype)),
+}
+
+def _register(lib: Library) -> Library:
+    for name, (cpu, cuda, fake) in KERNELS.items():
+        lib.define(name + SCHEMAS[name])
+        lib.impl(name, cpu, "CPU")
+        lib.impl(name, cuda, "CUDA")
+        register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
+    return lib
+
+
+LIB = _register(Library(NAMESPACE, "DEF"))  # the registrations live as long as this module
 
 
 def pre_attention_op(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale,
@@ -130,56 +129,3 @@ def pre_attention_op(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k
         q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale, write_index,
         quantize_q)
     return (out, q_scale) if quantize_q else out
-
-
-# ---- FP8 attention over the ring ----------------------------------------------------------
-@torch.library.custom_op(f"{NAMESPACE}::fp8_attention", mutates_args=())
-def fp8_attention(q8: Tensor, q_scale: Tensor, k8: Tensor, v8: Tensor, k_scale: Tensor,
-                  v_scale: Tensor, out_dtype: torch.dtype, tiles: str) -> Tensor:
-    return attn.reference(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype)
-
-
-@fp8_attention.register_kernel("cuda")
-def _(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
-    return attn.triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
-                                 attn.AttentionTiles.parse(tiles))
-
-
-@fp8_attention.register_fake
-def _(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
-    H, T, D = q8.shape
-    return q8.new_empty((T, H * D), dtype=out_dtype)
-
-
-# ---- delta rotation at reset --------------------------------------------------------------
-@torch.library.custom_op(f"{NAMESPACE}::delta_rotation", mutates_args=("k8",))
-def delta_rotation(k8: Tensor, k_scale: Tensor, first_slot: int, omega_t: Tensor,
-                   delta: float) -> None:
-    dr.reference(k8, k_scale, first_slot, omega_t, delta)
-
-
-@delta_rotation.register_kernel("cuda")
-def _(k8, k_scale, first_slot, omega_t, delta):
-    dr.triton_delta_rotation(k8, k_scale, first_slot, omega_t, delta)
-
-
-@delta_rotation.register_fake
-def _(k8, k_scale, first_slot, omega_t, delta):
-    return None
-
-
-# ---- the Triton FP8 GEMM (the per-shape plan's other choice) -----------------------------
-@torch.library.custom_op(f"{NAMESPACE}::fp8_gemm", mutates_args=())
-def fp8_gemm(a_q: Tensor, a_scale: Tensor, w_q: Tensor, w_scale: Tensor,
-             out_dtype: torch.dtype) -> Tensor:
-    return gemm.reference(a_q, a_scale, w_q, w_scale, out_dtype)
-
-
-@fp8_gemm.register_kernel("cuda")
-def _(a_q, a_scale, w_q, w_scale, out_dtype):
-    return gemm.triton_scaled_mm(a_q, a_scale, w_q, w_scale, out_dtype)
-
-
-@fp8_gemm.register_fake
-def _(a_q, a_scale, w_q, w_scale, out_dtype):
-    return a_q.new_empty((a_q.shape[0], w_q.shape[0]), dtype=out_dtype)

@@ -6,9 +6,11 @@ import pytest
 import torch
 from torch.library import opcheck
 
+OPS = torch.ops.charengine
+
 from charengine import fp8
 from charengine.plugins import act_quant, attention, custom_ops, delta_rotation, fp8_gemm, \
-    pre_attention
+    pre_attention  # noqa: F401  (custom_ops registers torch.ops.charengine)
 from charengine.rope import cos_sin
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -40,25 +42,25 @@ def test_every_op_passes_torchs_op_checks(device):
     h, o = rnd(5, 64, device=device, g=g), rnd(5, 64, device=device, g=g)
     vec = rnd(64, device=device, g=g, scale=0.2)
     checks = [
-        (custom_ops.act_quant, (h,)),
-        (custom_ops.norm_modulate_quant, (h, vec, vec, 1e-6)),
-        (custom_ops.residual_norm_modulate_quant, (h, o, vec, vec, vec, 1e-6)),
-        (custom_ops.swiglu_quant, (h[:, :16], h[:, 16:40], h[:, 40:])),
-        (custom_ops.pre_attention, pre_attention_args(device, True)),
-        (custom_ops.pre_attention, pre_attention_args(device, False)),
+        (OPS.act_quant.default, (h,)),
+        (OPS.norm_modulate_quant.default, (h, vec, vec, 1e-6)),
+        (OPS.residual_norm_modulate_quant.default, (h, o, vec, vec, vec, 1e-6)),
+        (OPS.swiglu_quant.default, (h[:, :16], h[:, 16:40], h[:, 40:])),
+        (OPS.pre_attention.default, pre_attention_args(device, True)),
+        (OPS.pre_attention.default, pre_attention_args(device, False)),
     ]
     q8, qs = fp8.quantize_rows(rnd(2, 9, 32, device=device, g=g))
     k8 = fp8.quantize(rnd(2, 40, 32, device=device, g=g), 0.01)
     sc = torch.full((2, 1, 1), 0.01, device=device)
-    checks.append((custom_ops.fp8_attention,
+    checks.append((OPS.fp8_attention.default,
                    (q8, qs, k8, k8, sc, sc, torch.bfloat16, attention.AttentionTiles().spec())))
     cache = fp8.quantize(rnd(3, 2, 40, 32, device=device, g=g, scale=3), 0.05)
     omega = torch.rand(4, device=device, generator=g)
-    checks.append((custom_ops.delta_rotation,
+    checks.append((OPS.delta_rotation.default,
                    (cache, torch.full((3, 2, 1, 1), 0.05, device=device), 10, omega, -42.0)))
     a8, a_s = fp8.quantize_rows(rnd(9, 64, device=device, g=g))
     w8, w_s = fp8.quantize_rows(rnd(48, 64, device=device, g=g))
-    checks.append((custom_ops.fp8_gemm, (a8, a_s, w8, w_s.reshape(-1), torch.bfloat16)))
+    checks.append((OPS.fp8_gemm.default, (a8, a_s, w8, w_s.reshape(-1), torch.bfloat16)))
     for op, args in checks:
         # torch's schema check compares inputs before and after with allclose, which has no
         # FP8 kernel: ops with FP8 tensors skip it, and the declared writes are checked below
@@ -70,7 +72,7 @@ def test_every_op_passes_torchs_op_checks(device):
 
 
 def test_the_ops_declare_exactly_the_tensors_they_write():
-    writes = {name: {a.name for a in getattr(torch.ops.charengine, name).default._schema.arguments
+    writes = {name: {a.name for a in getattr(OPS, name).default._schema.arguments
                      if a.alias_info is not None and a.alias_info.is_write}
               for name in ("act_quant", "norm_modulate_quant", "residual_norm_modulate_quant",
                            "swiglu_quant", "pre_attention", "fp8_attention", "delta_rotation",

@@ -28,7 +28,7 @@ def test_an_engine_with_its_kernels_compiles_nothing_at_start(tmp_path):
     m = json.loads((baked / "manifest.json").read_text())
     compiled = m["kernels"]["warm_up"]["0"]["compiled"]
     assert {"pre_attention_kernel", "attention_tma_kernel", "delta_rotation_kernel",
-            "norm_modulate_quant_kernel", "swiglu_quant_kernel"} <= set(compiled)
+            "norm_modulate_quant_kernel", "swiglu_quant_row_kernel"} <= set(compiled)
     assert any(f.endswith(".cubin") for f in m["files"])
     plan = m["kernels"]["gemm_plan"]["0"]
     assert set(plan) == {"w_in", "w_out"} and set(plan.values()) <= {"scaled_mm", "triton"}
