@@ -59,9 +59,11 @@ class KVCache(torch.nn.Module):
                              persistent=False)
         # Host-side phase, changed once per session between steps (never read from the device).
         self.quantized = False
-        from .plugins import delta_rotation
+        from .plugins import calibrate, delta_rotation
         self.rotate_fp8 = delta_rotation.select(torch.device(device)) \
             if cfg.switches.fused_delta_rotation and self.fp8_kv else delta_rotation.reference
+        self.calibrate_fp8 = calibrate.select() \
+            if cfg.switches.fused_calibration and self.fp8_kv else calibrate.reference
 
     @property
     def v8(self) -> torch.Tensor:
@@ -115,14 +117,11 @@ class KVCache(torch.nn.Module):
 
     def calibrate(self) -> None:
         """FP8 KV: scales from the amax of the unquantized cache (per cache, K/V and head)
-        times the margin; the whole cache moves to FP8; values beyond saturate. One cache at
-        a time, so the fp32 temporaries stay one cache's size."""
+        times the margin; the whole cache moves to FP8; values beyond saturate
+        (plugins/calibrate.py: two kernels over every cache with fused_calibration)."""
         cc = self.cfg.cache
-        for bp in range(self.bp):
-            for i, (src, dst) in enumerate(((self.k, self.k8), (self.v, self.v8))):
-                amax = src[bp].float().abs().amax(dim=(1, 2)).clamp_min(1e-12)  # [heads]
-                self.scale[bp, i] = (amax * cc.scale_margin / cc.fp8_max)[:, None, None]
-                dst[bp] = fp8.quantize(src[bp], self.scale[bp, i])
+        self.calibrate_fp8(self.k, self.v, self.k8, self.v8, self.scale, cc.scale_margin,
+                           cc.fp8_max)
         self.quantized = True
 
     def delta_rotate(self, rope: RopeTables) -> None:

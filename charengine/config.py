@@ -222,10 +222,11 @@ class Switches:
     conditioning_cache: bool = True  # RoPE tables and conditioning built once per step
     fused_pre_attention: bool = True  # norm + RoPE + quantize + ring write in one plugin op
     fused_act_quant: bool = True  # norm/modulate or SwiGLU + per-token FP8 quant in one kernel
-    # These two act where there is something to act on: an FP8 cache, a delta rotation.
+    # These act where there is something to act on: an FP8 cache, a delta rotation.
     fp8_attention_kernel: bool = True  # FP8 dots over the FP8 ring, no per-call dequantization
     fused_delta_rotation: bool = True  # the reset's rotation of every FP8 cache in one kernel
     fused_residual: bool = True  # gated residual add inside the next block's norm + quant
+    fused_calibration: bool = True  # FP8 KV calibration of every cache in two kernels
     fused_gemm_allreduce: bool = True  # output projection GEMM and TP all-reduce fused
 
     # Figure 2's order; the FP8 attention kernel and the fused delta rotation (the paper's
@@ -233,7 +234,8 @@ class Switches:
     # before the fused all-reduce; the fused residual add (ours) after them.
     ORDER = ("baked_adaln", "rope_at_write", "ring_cache", "fp8_kv", "conditioning_cache",
              "fused_pre_attention", "fused_act_quant", "fp8_attention_kernel",
-             "fused_delta_rotation", "fused_residual", "fused_gemm_allreduce")
+             "fused_delta_rotation", "fused_residual", "fused_calibration",
+             "fused_gemm_allreduce")
 
     @classmethod
     def baseline(cls) -> "Switches":

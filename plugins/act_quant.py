@@ -92,17 +92,22 @@ def _norm_modulate(h, o, gate, shift, scale, eps, warps):
     return q, s, h_out
 
 
-def triton_swiglu_quant(attn, gate, up, warps: int = 8, chunk: int = 2048):
-    """The kernel; arguments and result as `swiglu_reference` (gate and up may be strided
-    views, as the input projection's output split). One program per token walks its row in
-    chunks (tile sizes: scripts/bench_kernels.py)."""
+def _swiglu_outputs(attn, gate, up):
+    """Checks the rows are contiguous; returns T, A, M and the empty (q, scale) outputs."""
     T, A = attn.shape
     M = gate.shape[1]
     for name, t in (("attn", attn), ("gate", gate), ("up", up)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs contiguous rows")
-    q = torch.empty((T, A + M), dtype=fp8.FP8, device=attn.device)
-    s = torch.empty((T, 1), dtype=torch.float32, device=attn.device)
+    return (T, A, M, torch.empty((T, A + M), dtype=fp8.FP8, device=attn.device),
+            torch.empty((T, 1), dtype=torch.float32, device=attn.device))
+
+
+def triton_swiglu_quant(attn, gate, up, warps: int = 8, chunk: int = 2048):
+    """The kernel; arguments and result as `swiglu_reference` (gate and up may be strided
+    views, as the input projection's output split). One program per token walks its row in
+    chunks (tile sizes: scripts/bench_kernels.py)."""
+    T, A, M, q, s = _swiglu_outputs(attn, gate, up)
     from .kernels.act_quant import swiglu_quant_kernel
 
     swiglu_quant_kernel[(T,)](attn, gate, up, q, s, A, M, attn.stride(0), gate.stride(0),
@@ -121,13 +126,7 @@ def pow2_split(n: int) -> tuple[int, int]:
 def triton_swiglu_quant_row(attn, gate, up, warps: int = 8):
     """The one-pass kernel (the row in registers, every input read once); arguments and
     result as `swiglu_reference`."""
-    T, A = attn.shape
-    M = gate.shape[1]
-    for name, t in (("attn", attn), ("gate", gate), ("up", up)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs contiguous rows")
-    q = torch.empty((T, A + M), dtype=fp8.FP8, device=attn.device)
-    s = torch.empty((T, 1), dtype=torch.float32, device=attn.device)
+    T, A, M, q, s = _swiglu_outputs(attn, gate, up)
     from .kernels.act_quant import swiglu_quant_row_kernel
 
     (a_hi, a_lo), (m_hi, m_lo) = pow2_split(A), pow2_split(M)

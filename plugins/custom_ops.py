@@ -25,6 +25,7 @@ from charengine import fp8
 
 from . import act_quant as aq
 from . import attention as attn
+from . import calibrate as cal
 from . import delta_rotation as dr
 from . import fp8_gemm as gemm
 from . import pre_attention as pa
@@ -47,6 +48,8 @@ SCHEMAS = {
                       "float delta) -> ()",
     "fp8_gemm": "(Tensor a_q, Tensor a_scale, Tensor w_q, Tensor w_scale, ScalarType out_dtype) "
                 "-> Tensor",
+    "calibrate_cache": "(Tensor k, Tensor v, Tensor(a!) k8, Tensor(b!) v8, Tensor(c!) scale, "
+                       "float margin, float fp8_max) -> ()",
 }
 
 
@@ -108,6 +111,7 @@ KERNELS = {
     "fp8_gemm": (gemm.reference, gemm.triton_scaled_mm,
                  lambda a_q, a_s, w_q, w_s, out_dtype: a_q.new_empty(
                      (a_q.shape[0], w_q.shape[0]), dtype=out_dtype)),
+    "calibrate_cache": (cal.reference, cal.triton_calibrate, lambda *args: None),
 }
 
 def _register(lib: Library) -> Library:

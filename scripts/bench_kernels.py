@@ -5,7 +5,9 @@ cuDNN bf16, the GEMM against cuBLASLt) at a preset's TP rank-slice shapes, on on
 
 Each candidate runs as one CUDA graph of `--calls` calls over distinct buffers (rotated past
 L2, as a step sees them), timed `--reps` times; the median per call is reported, with the
-error against the reference. Writes docs/results/kernels_<preset>_tp<N>_<gpu>.json.
+error against the reference. The FP8 KV calibration (`calibrate`), which a session runs once
+and eagerly, is timed eagerly instead (wall time, host launches included). Writes
+docs/results/kernels_<preset>_tp<N>_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch.nn.functional as F
 from charengine import fp8
 from charengine.config import RankShape, preset
 from charengine.engine_format import this_machine
-from charengine.plugins import act_quant, attention, delta_rotation, fp8_gemm, pre_attention
+from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, \
+    pre_attention
 from charengine.rope import RopeTables
 
 
@@ -223,6 +226,39 @@ def bench_delta(spec, cfg, shape, reps, dev):
     return out
 
 
+def eager_time_ms(fn, reps: int) -> float:
+    """Median wall milliseconds of fn() run eagerly, synchronized (host launches included:
+    the calibration runs outside the graphs, once per session)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def bench_calibrate(spec, cfg, shape, reps, dev):
+    """The FP8 KV calibration over every cache of the rank slice, as a session's calibration
+    step runs it (eager)."""
+    H, D = shape.heads, spec.head_dim
+    S = spec.global_tokens + cfg.cache.window * spec.tokens_per_frame
+    C = spec.n_blocks * cfg.schedule.passes
+    g = torch.Generator(device=dev).manual_seed(5)
+    k = torch.randn(C, H, S, D, device=dev, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(C, H, S, D, device=dev, generator=g, dtype=torch.bfloat16)
+    k8 = torch.empty(C, H, S, D, dtype=fp8.FP8, device=dev)
+    v8 = torch.empty(C, H, D, S + (-S % 16), dtype=fp8.FP8, device=dev)[..., :S].transpose(-1, -2)
+    scale = torch.empty(C, 2, H, 1, 1, device=dev)
+    cc = cfg.cache
+    return {name: {"ms": eager_time_ms(lambda fn=fn: fn(k, v, k8, v8, scale, cc.scale_margin,
+                                                        cc.fp8_max), reps)}
+            for name, fn in (("reference", calibrate.reference),
+                             ("triton", calibrate.triton_calibrate))}
+
+
 def bench_gemm(spec, shape, calls, reps, dev):
     T = spec.tokens_per_frame
     g = torch.Generator(device=dev).manual_seed(4)
@@ -267,7 +303,7 @@ def main():
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--only", nargs="*", default=["attention", "pre_attention", "act", "delta",
-                                                  "gemm"])
+                                                  "calibrate", "gemm"])
     ap.add_argument("--gpu-tag", default="h200")
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     args = ap.parse_args()
@@ -284,6 +320,7 @@ def main():
             "pre_attention": lambda: bench_pre_attention(spec, shape, args.calls, args.reps, dev),
             "act": lambda: bench_act(spec, shape, args.calls, args.reps, dev),
             "delta": lambda: bench_delta(spec, cfg, shape, args.reps, dev),
+            "calibrate": lambda: bench_calibrate(spec, cfg, shape, args.reps, dev),
             "gemm": lambda: bench_gemm(spec, shape, args.calls, args.reps, dev),
         }
         for name in args.only:

@@ -61,6 +61,11 @@ def test_every_op_passes_torchs_op_checks(device):
     a8, a_s = fp8.quantize_rows(rnd(9, 64, device=device, g=g))
     w8, w_s = fp8.quantize_rows(rnd(48, 64, device=device, g=g))
     checks.append((OPS.fp8_gemm.default, (a8, a_s, w8, w_s.reshape(-1), torch.bfloat16)))
+    kv = [rnd(3, 2, 40, 32, device=device, g=g, scale=3) for _ in range(2)]
+    stores = [torch.zeros(3, 2, 40, 32, dtype=fp8.FP8, device=device),
+              torch.zeros(3, 2, 32, 48, dtype=fp8.FP8, device=device)[..., :40].transpose(-1, -2)]
+    checks.append((OPS.calibrate_cache.default,
+                   (*kv, *stores, torch.ones(3, 2, 2, 1, 1, device=device), 1.5, 448.0)))
     for op, args in checks:
         # torch's schema check compares inputs before and after with allclose, which has no
         # FP8 kernel: ops with FP8 tensors skip it, and the declared writes are checked below
@@ -76,11 +81,12 @@ def test_the_ops_declare_exactly_the_tensors_they_write():
                      if a.alias_info is not None and a.alias_info.is_write}
               for name in ("act_quant", "norm_modulate_quant", "residual_norm_modulate_quant",
                            "swiglu_quant", "pre_attention", "fp8_attention", "delta_rotation",
-                           "fp8_gemm")}
+                           "fp8_gemm", "calibrate_cache")}
     assert writes == {"act_quant": set(), "norm_modulate_quant": set(),
                       "residual_norm_modulate_quant": set(), "swiglu_quant": set(),
                       "pre_attention": {"k_store", "v_store"}, "fp8_attention": set(),
-                      "delta_rotation": {"k8"}, "fp8_gemm": set()}
+                      "delta_rotation": {"k8"}, "fp8_gemm": set(),
+                      "calibrate_cache": {"k8", "v8", "scale"}}
 
 
 def test_on_cpu_the_ops_are_the_references():

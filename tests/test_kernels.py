@@ -18,7 +18,8 @@ import torch
 
 from charengine import fp8
 from charengine.config import PRESETS, Switches, preset
-from charengine.plugins import act_quant, attention, delta_rotation, fp8_gemm, pre_attention
+from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, \
+    pre_attention
 from charengine.rope import cos_sin
 from rollout import rel_err
 
@@ -182,6 +183,33 @@ def test_one_pass_swiglu_quant_equals_the_two_pass_kernel(T, A, M):
     q1, s1 = act_quant.triton_swiglu_quant(attn, gu[:, :M], gu[:, M:])
     q2, s2 = act_quant.triton_swiglu_quant_row(attn, gu[:, :M], gu[:, M:])
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
+
+
+@pytest.mark.parametrize("C,H,S,D", [(9, 20, 600, 128), (3, 3, 77, 16)])
+def test_calibration_kernels_match_the_reference(C, H, S, D):
+    """Scales bit-identical (the amax is exact); codes as the reference's, the value store
+    written transposed as production keeps it; outputs poisoned first; one head all zeros
+    (its scale from the floor)."""
+    g = torch.Generator(device=DEV).manual_seed(S)
+    k = (torch.randn(C, H, S, D, device=DEV, generator=g)
+         * torch.rand(C, H, 1, 1, device=DEV, generator=g) * 5).to(torch.bfloat16)
+    v = (torch.randn(C, H, S, D, device=DEV, generator=g) * 3).to(torch.bfloat16)
+    k[1, 1] = 0
+    outs = []
+    for fn in (calibrate.reference, calibrate.triton_calibrate):
+        k8 = torch.empty(C, H, S, D, dtype=fp8.FP8, device=DEV)
+        k8.view(torch.uint8).fill_(NAN8)
+        store = torch.empty(C, H, D, S + (-S % 16), dtype=fp8.FP8, device=DEV)
+        store.view(torch.uint8).fill_(NAN8)
+        scale = torch.full((C, 2, H, 1, 1), float("nan"), device=DEV)
+        fn(k, v, k8, store[..., :S].transpose(-1, -2), scale, 1.5, 448.0)
+        outs.append((k8, store, scale))
+    (rk, rv, rs), (tk, tv, ts) = outs
+    assert torch.equal(rs, ts)
+    for r, t in ((rk, tk), (rv[..., :S], tv[..., :S])):
+        d = codes(r, t)
+        assert d.max() <= 1 and (d > 0).float().mean() < 1e-3
+    assert (tv.view(torch.uint8)[..., S:] == NAN8).all()  # the padding is left alone
 
 
 def assert_quantized_rows_close(ref, out):
