@@ -4,7 +4,8 @@ global tokens.
 
 Block: xm = LN(h) * (1 + scale) + shift; [q k v gate up] = W_in xm (FP8, column-parallel);
 attention over the cache; o = W_out [attn, silu(gate) * up] (FP8, row-parallel), all-reduced;
-h += gate_ada * o (with fused_residual, inside the next block's first kernel). Shift, scale and gate come from the pass's timestep alone.
+h += gate_ada * o (with fused_residual, inside the next block's first kernel). Shift, scale
+and gate come from the pass's timestep alone.
 """
 
 from __future__ import annotations
