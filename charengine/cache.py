@@ -60,7 +60,7 @@ class KVCache(torch.nn.Module):
         # Host-side phase, changed once per session between steps (never read from the device).
         self.quantized = False
         from .plugins import calibrate, delta_rotation
-        self.rotate_fp8 = delta_rotation.select(torch.device(device)) \
+        self.rotate_fp8 = delta_rotation.select() \
             if cfg.switches.fused_delta_rotation and self.fp8_kv else delta_rotation.reference
         self.calibrate_fp8 = calibrate.select() \
             if cfg.switches.fused_calibration and self.fp8_kv else calibrate.reference

@@ -115,13 +115,12 @@ class CharacterDiT(torch.nn.Module):
             self.register_buffer("final_table", final.to(device, self.dtype), persistent=False)
         self.register_buffer("sigmas", torch.tensor(cfg.schedule.sigmas, device=device),
                              persistent=False)
-        dev = torch.device(device)
-        self.pre_attention = pre_attention.select(dev) if sw.fused_pre_attention else None
+        self.pre_attention = pre_attention.select() if sw.fused_pre_attention else None
         # the fused exchange comes from a loader with a GPU TP group; otherwise the GEMM
         # (per the plan) is followed by the all-reduce, plugins/gemm_allreduce.reference
         self.gemm_allreduce = fused_gemm_allreduce if sw.fused_gemm_allreduce else None
-        self.act = act_quant.select(dev) if sw.fused_act_quant else act_quant.plain()
-        self.fp8_attention = attention.select(dev, spec.head_dim, attention_tiles) \
+        self.act = act_quant.select() if sw.fused_act_quant else act_quant.plain()
+        self.fp8_attention = attention.select(spec.head_dim, attention_tiles) \
             if sw.fp8_attention_kernel and sw.fp8_kv else None
         self.planned_gemm = {kind: fp8_gemm.op(c) for kind, c in (gemm_plan or {}).items()}
         self.annotate = False  # label regions for torch.profiler (benchmarks set it)

@@ -151,7 +151,7 @@ class ActQuantOps:
     swiglu: object
 
 
-def select(device: torch.device | None = None) -> ActQuantOps:
+def select() -> ActQuantOps:
     """The custom ops (plugins/custom_ops.py): the Triton kernels on CUDA tensors, the
     references on CPU ones (called as overloads: the op objects' own call costs ~10 us more
     per call on the host)."""

@@ -115,7 +115,7 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
-def select(device: torch.device | None, head_dim: int, tiles: AttentionTiles | None = None):
+def select(head_dim: int, tiles: AttentionTiles | None = None):
     """For head dims the kernel supports, the custom op (plugins/custom_ops.py: the Triton
     kernel with `tiles`, else the default, on CUDA tensors; the reference on CPU ones), with
     `reference`'s signature; else the reference."""

@@ -52,7 +52,7 @@ def triton_calibrate(k, v, k8, v8, scale, margin: float, fp8_max: float,
                                     D=D, BLOCK_S=block_s, BLOCK_D=block_d)
 
 
-def select(device: torch.device | None = None):
+def select():
     """The operator (plugins/custom_ops.py): the kernels on CUDA tensors, the reference on
     CPU ones."""
     from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)

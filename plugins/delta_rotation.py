@@ -41,7 +41,7 @@ def triton_delta_rotation(k8, k_scale, first_slot, omega_t, delta, block_r: int 
         NT=nt, BLOCK_R=block_r, BLOCK_J=triton.next_power_of_2(nt), num_warps=4)
 
 
-def select(device: torch.device | None = None):
+def select():
     """The custom op (plugins/custom_ops.py): the Triton kernel on CUDA tensors, the reference
     on CPU ones."""
     from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)

@@ -71,7 +71,7 @@ def triton_pre_attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_stor
     return (q_out, q_scale) if quantize_q else q_out
 
 
-def select(device: torch.device | None = None):
+def select():
     """The custom op (plugins/custom_ops.py): the Triton kernel on CUDA tensors, the reference
     on CPU ones; `reference`'s signature and result."""
     from .custom_ops import pre_attention_op
