@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from charengine.cache import KVCache
 from charengine.config import Numerics, Switches, preset
 from charengine.step import ar_step
 from rollout import FP32, rel_err, rollout
@@ -32,6 +33,14 @@ def test_the_fused_residual_add_is_the_same_sum():
     fused = rollout(preset("tiny"), 12)
     unfused = rollout(preset("tiny", switches=Switches(fused_residual=False)), 12)
     assert torch.equal(fused, unfused)
+
+
+def test_the_calibration_operator_is_the_torch_loop_on_cpu():
+    """fused_calibration sends the FP8 calibration through its operator (on CPU the same
+    torch loop): the same session, past calibration and a reset, bit for bit."""
+    cfg = preset("tiny", switches=Switches(fused_calibration=True))
+    assert KVCache(cfg, 2).calibrate_fp8 is torch.ops.charengine.calibrate_cache.default
+    assert torch.equal(rollout(cfg, 44), rollout(preset("tiny"), 44))
 
 
 def test_skipping_the_delta_rotation_breaks_parity(baseline_fp32):
