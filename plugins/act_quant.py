@@ -152,9 +152,8 @@ class ActQuantOps:
 
 
 def select() -> ActQuantOps:
-    """The custom ops (plugins/custom_ops.py): the Triton kernels on CUDA tensors, the
-    references on CPU ones (called as overloads: the op objects' own call costs ~10 us more
-    per call on the host)."""
+    """The operators (plugins/custom_ops.py): the Triton kernels on CUDA tensors, the
+    references on CPU ones."""
     from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
 
     ops = torch.ops.charengine
