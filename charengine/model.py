@@ -82,6 +82,7 @@ class StepConditioning:
     sin: torch.Tensor
     c: torch.Tensor | None  # [passes, d] timestep conditioning (plain AdaLN path only)
     key_cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # baseline: every slot [S, D/2]
+    write_index: torch.Tensor | None = None  # the new frame's slots [T]: one per step, not per block
 
 
 class CharacterDiT(torch.nn.Module):
@@ -188,7 +189,8 @@ class CharacterDiT(torch.nn.Module):
         cos, sin = cos_sin(self.rope.frame_angles(cache.temporal_index()))
         c = self.timestep_conditioning()
         key = None if self.cfg.switches.rope_at_write else cache.key_cos_sin(self.rope)
-        return StepConditioning(self.dense(audio_features, "audio_proj"), cos, sin, c, key)
+        return StepConditioning(self.dense(audio_features, "audio_proj"), cos, sin, c, key,
+                                cache.frame_index())
 
     def qkv_mlp(self, b: int, h: torch.Tensor, mod: torch.Tensor, residual=None):
         """The pending gated residual (o, gate) of the previous block (fused_residual), norm,
@@ -294,7 +296,7 @@ class CharacterDiT(torch.nn.Module):
                 cache.k8[bp] if cache.quantized else cache.k[bp],
                 cache.v8[bp] if cache.quantized else cache.v[bp],
                 cache.scale[bp, 0] if cache.quantized else None,
-                cache.scale[bp, 1] if cache.quantized else None, cache.frame_index(),
+                cache.scale[bp, 1] if cache.quantized else None, cond.write_index,
                 quantize_q=quantize_q)
         q, k = self.norm_qk(b, q, k)
         q = rotate(q, cond.cos, cond.sin)
