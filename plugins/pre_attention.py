@@ -2,10 +2,10 @@
 the cache's per-head scales and the ring write at the device-side write position, in one op.
 
 The paper ran this as three CuTe DSL kernels (Q, K, V) reading the write position from device
-memory; here one Triton kernel does all three for a tile of tokens of one head. It rounds
-where the reference rounds (the normed vector to the compute dtype, the roped one again), so
-the two differ only in fp32 summation order and fused multiply-adds: parity tests bound the
-error in units of the head scale.
+memory; here one Triton launch does all three, each (token tile, head) as three programs.
+It rounds where the reference rounds (the normed vector to the compute dtype, the roped one
+again), so the two differ only in fp32 summation order and fused multiply-adds: parity tests
+bound the error in units of the head scale.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def triton_pre_attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_stor
         else q_out
     if D % 2:
         raise ValueError(f"head dim {D} must be even (RoPE pairs)")
-    grid = ((T + block_t - 1) // block_t, H)
+    grid = ((T + block_t - 1) // block_t, H, 3)  # parts: queries, keys, values
     from .kernels.pre_attention import pre_attention_kernel
 
     pre_attention_kernel[grid](
