@@ -19,3 +19,24 @@ def test_kernel_matches_reference_on_the_gpu(m, k):
     rq, rs = fp8.quantize_rows(x)
     assert torch.equal(s, rs)
     assert (q.view(torch.uint8) != rq.view(torch.uint8)).sum() == 0
+
+
+@pytest.mark.gpu
+def test_kernel_division_matches_torch_over_wide_magnitudes():
+    """The kernels divide by the scale as x * (1 / s) plus one FMA correction
+    (plugins/kernels/fp8_math.py): over values spread across 2^-30..2^30 within each row, rows
+    whose amax is tiny or huge and a row of zeros, the codes and scales equal torch's exact
+    division."""
+    from charengine.plugins.act_quant import triton_act_quant
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(512, 4096, device="cuda", generator=g)
+    x = x * torch.exp2(torch.randint(-30, 31, x.shape, device="cuda", generator=g).float())
+    x[:64] *= 2.0 ** -60
+    x[64:128] *= 2.0 ** 60
+    x[0] = 0  # its scale from the floor
+    x = x.to(torch.bfloat16)
+    q, s = triton_act_quant(x)
+    rq, rs = fp8.quantize_rows(x)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))

@@ -176,7 +176,8 @@ def test_residual_norm_modulate_quant_matches_reference(T, d):
 
 @pytest.mark.parametrize("T,A,M", [(757, 2560, 10240), (19, 48, 80), (3, 100, 37)])
 def test_one_pass_swiglu_quant_equals_the_two_pass_kernel(T, A, M):
-    """Same per-element arithmetic, the row held in registers: the same bytes and scales."""
+    """Same per-element arithmetic, the row held in registers: the same bytes and scales
+    (the two-pass kernel divides with div_rn, the one-pass one with fp8_math.div_scale)."""
     g = torch.Generator(device=DEV).manual_seed(M + 7)
     attn = torch.randn(T, A, device=DEV, generator=g).to(torch.bfloat16)
     gu = (torch.randn(T, 2 * M, device=DEV, generator=g) * 2).to(torch.bfloat16)

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from .fp8_math import div_scale
+
 
 @triton.jit
 def cache_amax_kernel(x_ptr, amax_ptr, S, stride_row, stride_s, D: tl.constexpr,
@@ -33,7 +35,8 @@ def cache_quantize_kernel(x_ptr, scale_ptr, q_ptr, S, H, stride_row, stride_s, q
     m = (offs_s[:, None] < S) & (offs_d[None, :] < D)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_row + offs_s[:, None] * stride_s
                 + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-    y = tl.clamp(tl.math.div_rn(x, tl.load(scale_ptr + row)), -448.0, 448.0)
+    scale = tl.load(scale_ptr + row)
+    y = tl.clamp(div_scale(x, scale, tl.math.div_rn(1.0, scale)), -448.0, 448.0)
     dst = q_ptr + c * q_stride_c + h * q_stride_h + offs_s[:, None] * q_stride_s \
         + offs_d[None, :] * q_stride_d
     tl.store(dst, y.to(tl.float8e4nv), mask=m)

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from .fp8_math import div_scale
+
 
 @triton.jit
 def delta_rotation_kernel(k_ptr, s_ptr, cos_ptr, sin_ptr, rows, H, W, G,
@@ -24,7 +26,8 @@ def delta_rotation_kernel(k_ptr, s_ptr, cos_ptr, sin_ptr, rows, H, W, G,
         + col[None, :]
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * scale
     x0, x1 = tl.split(tl.reshape(x, [BLOCK_R, BLOCK_J, 2]))
-    y0 = tl.clamp(tl.math.div_rn(x0 * cs - x1 * sn, scale), -448.0, 448.0)
-    y1 = tl.clamp(tl.math.div_rn(x0 * sn + x1 * cs, scale), -448.0, 448.0)
+    r_scale = tl.math.div_rn(1.0, scale)
+    y0 = tl.clamp(div_scale(x0 * cs - x1 * sn, scale, r_scale), -448.0, 448.0)
+    y1 = tl.clamp(div_scale(x0 * sn + x1 * cs, scale, r_scale), -448.0, 448.0)
     y = tl.reshape(tl.join(y0, y1), [BLOCK_R, 2 * BLOCK_J])
     tl.store(ptrs, y.to(tl.float8e4nv), mask=mask)
