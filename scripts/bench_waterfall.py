@@ -18,12 +18,12 @@ from pathlib import Path
 
 ARMS = ["baseline", "baked_adaln", "rope_at_write", "ring_cache", "fp8_kv", "conditioning_cache",
         "fused_pre_attention", "fused_act_quant", "fp8_attention_kernel", "fused_delta_rotation",
-        "fused_residual"]
+        "fused_residual", "fused_calibration"]
 LABELS = {"baseline": "Baseline", "baked_adaln": "+AdaLN", "rope_at_write": "+RoPE@write",
           "ring_cache": "+Ring cache", "fp8_kv": "+FP8 KV", "conditioning_cache": "+Cond. cache",
           "fused_pre_attention": "+Fused pre-attn.", "fused_act_quant": "+Fused act. quant",
           "fp8_attention_kernel": "+FP8 attention", "fused_delta_rotation": "+Fused delta rot.",
-          "fused_residual": "+Fused residual",
+          "fused_residual": "+Fused residual", "fused_calibration": "+Fused calib.",
           "production": "Production (all on)"}
 
 
