@@ -172,14 +172,15 @@ def floors(model: CharacterDiT, cache: KVCache, device, reps: int = 5) -> dict:
     return out
 
 
-def attribute(prof, device) -> dict:
-    """Device time (us) per component. On the GPU each kernel goes to the innermost labelled
+def attribute(prof, device) -> tuple[dict, dict]:
+    """Device time (us) and kernel count per component. On the GPU each kernel goes to the innermost labelled
     range around the host call that launched it (matched by correlation id), so kernels
     launched outside aten (Triton) count too, and the gaps between kernels do not. On the
     CPU, each op's self time goes to the innermost label around it."""
     import bisect
 
     per = {c: 0.0 for c in COMPONENTS + ("other",)}
+    count = dict.fromkeys(per, 0)
     if device.type != "cuda":
         for ev in prof.events():
             if ev.name in COMPONENTS or not ev.self_cpu_time_total:
@@ -189,7 +190,7 @@ def attribute(prof, device) -> dict:
                 label = p.name if p.name in COMPONENTS else label
                 p = p.cpu_parent
             per[label] += ev.self_cpu_time_total
-        return per
+        return per, {}
     from torch.autograd import DeviceType
 
     events = prof.profiler.kineto_results.events()
@@ -214,12 +215,14 @@ def attribute(prof, device) -> dict:
             if inside:
                 label = min(inside, key=lambda r: r[1] - r[0])[2]
         per[label] += e.duration_ns() / 1e3
-    return per
+        count[label] += 1
+    return per, count
 
 
-def profile_components(session: Session, steps: int, inputs, device) -> dict:
+def profile_components(session: Session, steps: int, inputs, device) -> tuple[dict, dict]:
     """Eager steps under torch.profiler with the model's regions labelled; device time per
-    step for each component, the rest as "other"."""
+    step for each component, the rest as "other"; and (on the GPU) the kernels launched per
+    step for each."""
     from torch.profiler import ProfilerActivity, profile
 
     model = session.model
@@ -234,10 +237,13 @@ def profile_components(session: Session, steps: int, inputs, device) -> dict:
             torch.cuda.synchronize()
     session.step_fn = saved
     model.annotate = False
-    per = attribute(prof, device)
+    per, count = attribute(prof, device)
     comps = {k: v / 1e3 / steps for k, v in per.items() if v}
     comps["total"] = sum(v for v in comps.values())
-    return comps
+    kernels = {k: n / steps for k, n in count.items() if n}
+    if kernels:
+        kernels["total"] = sum(kernels.values())
+    return comps, kernels
 
 
 def main():
@@ -329,8 +335,8 @@ def main():
         else:
             period = [1e3 * (marks[k][1] - marks[k - 1][1]) for k in range(1, len(marks))]
         period = [diffusion[0]] + period
-        comps = profile_components(session, args.profile_steps, inputs, device) \
-            if args.profile_steps else {}
+        comps, kernels = profile_components(session, args.profile_steps, inputs, device) \
+            if args.profile_steps else ({}, {})
         fl = floors(model, cache, device)
     if backends is not None:
         backends.__exit__(None, None, None)
@@ -357,7 +363,7 @@ def main():
         "tflops_per_gpu": (gemm_f + attn_f) / (d50 / 1e3) / 1e12,
         "pct_dense_fp8_peak": 100 * (gemm_f + attn_f) / (d50 / 1e3) / 1e12 / DENSE_FP8_PEAK_TFLOPS,
         "step_tflop": {"gemm": gemm_f / 1e12, "attention": attn_f / 1e12},
-        "components_ms": comps, "floors_ms": fl,
+        "components_ms": comps, "kernels_per_step": kernels, "floors_ms": fl,
         "step_over_floor": d50 / (fl["fp8_gemm_ms"] + fl["attention_ms"]),
         "build_s": build_s, "session_start_s": start_s,
         "sync_debug_mode_checked": sync_checked,
@@ -374,6 +380,8 @@ def main():
     print(f"{args.arm} run {args.run}: " + ", ".join(
         f"{k}={result[k]:.2f}" for k in keys if result[k] is not None))
     print("components (ms/step): " + ", ".join(f"{k}={v:.2f}" for k, v in comps.items()))
+    if kernels:
+        print("kernels per step: " + ", ".join(f"{k}={v:.0f}" for k, v in kernels.items()))
     print("floors (ms/step): " + ", ".join(f"{k}={v:.2f}" for k, v in fl.items()))
     if result["clocks_during_steps"]:
         print("clocks during the steps: " + ", ".join(
