@@ -136,7 +136,7 @@ def triton_swiglu_quant_row(attn, gate, up, warps: int = 8):
     return q, s
 
 
-# The SwiGLU kernel the op runs: the one-pass kernel, 19.4 against 25.8 us for the two-pass
+# The SwiGLU kernel the op runs: the one-pass kernel, 17.4 against 26.1 us for the two-pass
 # one at the rank slice (scripts/bench_kernels.py, docs/PERFORMANCE.md).
 triton_swiglu = triton_swiglu_quant_row
 

@@ -168,6 +168,10 @@ def bench_act(spec, shape, calls, reps, dev):
             hs[i % n], shift, scale, 1e-6, warps=w)))
     os_ = [torch.randn(T, d, device=dev, generator=g).to(torch.bfloat16) for _ in range(n)]
     gate = (torch.randn(d, device=dev, generator=g) * 0.1).to(torch.bfloat16)
+    outs = [torch.empty(T, d, device=dev, dtype=torch.bfloat16) for _ in range(n)]
+    # what the GPU's memory gives an elementwise kernel here: read two [T, d], write one
+    variants.append(("torch_add_bandwidth_reference", lambda i: torch.add(
+        hs[i % n], os_[i % n], out=outs[i % n])))
     variants.append(("addcmul_then_norm_modulate_triton", lambda i: act_quant.triton_norm_modulate_quant(
         torch.addcmul(hs[i % n], gate, os_[i % n]), shift, scale, 1e-6)))
     for w in (None, 8, 16):
