@@ -47,18 +47,22 @@ class AttentionTiles:
     stages: int = 3
     p_fp8: bool = True  # P V as an FP8 dot (else P and V in bf16); fast with V stored [D, S]
     tma: bool = True  # tiles through TMA descriptors (else pointer loads)
+    # The softmax in fewer instructions per score (kernels/attention.py, _softmax_fma): off
+    # until timed on a GPU (written after session 5's device time was spent).
+    fma: bool = False
 
     def spec(self) -> str:
         """The text `parse` reads back."""
         return (f"{self.block_m},{self.block_n},{self.warps},{self.stages},"
-                f"{'fp8' if self.p_fp8 else 'bf16'},{'tma' if self.tma else 'ptr'}")
+                f"{'fp8' if self.p_fp8 else 'bf16'},{'tma' if self.tma else 'ptr'}"
+                + (",fma" if self.fma else ""))
 
     @classmethod
     def parse(cls, text: str) -> "AttentionTiles":
-        """'128,128,8,3,bf16,tma' -> AttentionTiles (the last field optional)."""
+        """'128,128,8,3,bf16,tma[,fma]' -> AttentionTiles (the last two fields optional)."""
         f = text.split(",")
         return cls(int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4] == "fp8",
-                   len(f) > 5 and f[5] == "tma")
+                   len(f) > 5 and f[5] == "tma", len(f) > 6 and f[6] == "fma")
 
 
 def triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
@@ -85,7 +89,8 @@ def triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
         q8, q_scale, k8, v8, ks, vs, out, T, S,
         sm_scale_log2, q8.stride(0), q8.stride(1), k8.stride(0), k8.stride(1),
         v8.stride(0), v8.stride(1), v8.stride(2), out.stride(0), D=D, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, P_FP8=tiles.p_fp8, P_SCALE=P_SCALE, num_warps=tiles.warps,
+        BLOCK_N=tiles.block_n, P_FP8=tiles.p_fp8, P_SCALE=P_SCALE,
+        LOG2_P_SCALE=math.log2(P_SCALE), FMA=tiles.fma, num_warps=tiles.warps,
         num_stages=tiles.stages)
     return out
 
@@ -105,8 +110,8 @@ def _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles, grid)
         TensorDescriptor(k8, list(k8.shape), list(k8.stride()), [1, bn, D]),
         TensorDescriptor(vd, list(vd.shape), list(vd.stride()), [1, D, bn] if v_t else [1, bn, D]),
         ks, vs, out, T, S, sm_scale_log2, out.stride(0), D=D, BLOCK_M=bm, BLOCK_N=bn,
-        P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE, num_warps=tiles.warps,
-        num_stages=tiles.stages)
+        P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE, LOG2_P_SCALE=math.log2(P_SCALE),
+        FMA=tiles.fma, num_warps=tiles.warps, num_stages=tiles.stages)
     return out
 
 

@@ -92,13 +92,18 @@ def bench_attention(H, T, S, D, calls, reps, dev):
                                         (64, 256, 4, 3), (64, 256, 8, 3), (64, 128, 8, 3),
                                         (128, 128, 8, 3), (64, 64, 4, 3))
                   for tma in (True, False)]
+    # the softmax in fewer instructions (AttentionTiles.fma) at the fastest tiles
+    candidates += [(T_(bm, bn, w, st, True, True, True), "v_transposed")
+                   for bm, bn, w, st in ((64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3),
+                                         (128, 128, 8, 3))]
     candidates += [(T_(128, 64, 8, 3, False, False), "v_rows"),
                    (T_(128, 128, 8, 3, False, True), "v_rows"),
                    (T_(64, 128, 4, 3, True, False), "v_rows")]
     for t, layout in candidates:
         vv = vt if layout == "v_transposed" else v8
         key = f"triton_m{t.block_m}_n{t.block_n}_w{t.warps}_s{t.stages}_" \
-              f"{'pfp8' if t.p_fp8 else 'pbf16'}_{layout}{'_tma' if t.tma else ''}"
+              f"{'pfp8' if t.p_fp8 else 'pbf16'}_{layout}{'_tma' if t.tma else ''}" \
+              f"{'_fma' if t.fma else ''}"
         try:
             o = attention.triton_attention(q8, qs, k8[0], vv[0], ks, vs, torch.bfloat16, t)
             us = graph_time_us(lambda i: attention.triton_attention(

@@ -52,8 +52,9 @@ def test_every_op_passes_torchs_op_checks(device):
     q8, qs = fp8.quantize_rows(rnd(2, 9, 32, device=device, g=g))
     k8 = fp8.quantize(rnd(2, 40, 32, device=device, g=g), 0.01)
     sc = torch.full((2, 1, 1), 0.01, device=device)
-    checks.append((OPS.fp8_attention.default,
-                   (q8, qs, k8, k8, sc, sc, torch.bfloat16, attention.AttentionTiles().spec())))
+    for tiles in (attention.AttentionTiles(), attention.AttentionTiles(fma=True)):
+        checks.append((OPS.fp8_attention.default,
+                       (q8, qs, k8, k8, sc, sc, torch.bfloat16, tiles.spec())))
     cache = fp8.quantize(rnd(3, 2, 40, 32, device=device, g=g, scale=3), 0.05)
     omega = torch.rand(4, device=device, generator=g)
     checks.append((OPS.delta_rotation.default,
@@ -119,3 +120,13 @@ def test_on_cpu_the_ops_are_the_references():
     w8, w_s = fp8.quantize_rows(rnd(48, 64, device="cpu", g=g))
     assert torch.equal(fp8_gemm.op("triton")(a8, a_s, w8, w_s.reshape(-1), torch.bfloat16),
                        fp8_gemm.reference(a8, a_s, w8, w_s.reshape(-1), torch.bfloat16))
+
+
+def test_attention_tiles_read_back_from_their_spec():
+    """The op carries its tiles as text: every field survives the round trip, and specs
+    written before the optional fields existed still read."""
+    for t in (attention.AttentionTiles(), attention.AttentionTiles(128, 64, 8, 2, False, False),
+              attention.AttentionTiles(fma=True)):
+        assert attention.AttentionTiles.parse(t.spec()) == t
+    old = attention.AttentionTiles.parse("64,128,4,3,fp8")
+    assert old == attention.AttentionTiles(tma=False) and not old.fma

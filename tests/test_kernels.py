@@ -41,7 +41,8 @@ def fp8_tensor(shape, g, spread=2.0):
 @pytest.mark.parametrize("H,T,S,D", [(20, 757, 5788, 128), (3, 37, 150, 64), (5, 200, 333, 32)])
 @pytest.mark.parametrize("p_fp8", [True, False])
 @pytest.mark.parametrize("tma", [True, False])
-def test_fp8_attention_matches_reference(H, T, S, D, p_fp8, tma):
+@pytest.mark.parametrize("fma", [False, True])
+def test_fp8_attention_matches_reference(H, T, S, D, p_fp8, tma, fma):
     g = torch.Generator(device=DEV).manual_seed(H + T)
     q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=DEV, generator=g))
     k8, v8 = fp8_tensor((H, S, D), g), fp8_tensor((H, S, D), g)
@@ -50,7 +51,7 @@ def test_fp8_attention_matches_reference(H, T, S, D, p_fp8, tma):
     ref = attention.reference(q8, qs, k8, v8, ks, vs, torch.float32)
     out = torch.full((T, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
     attention.triton_attention(q8, qs, k8, v8, ks, vs, torch.bfloat16,
-                               attention.AttentionTiles(p_fp8=p_fp8, tma=tma), out=out)
+                               attention.AttentionTiles(p_fp8=p_fp8, tma=tma, fma=fma), out=out)
     vmax = (v8.float().abs().amax(dim=(1, 2)) * vs.flatten()).max()
     bound = 2.0 ** -4 if p_fp8 else 2.0 ** -7
     assert not out.isnan().any()

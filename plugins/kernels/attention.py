@@ -15,16 +15,53 @@ def _softmax(acc, l_i, m_i, s):
 
 
 @triton.jit
-def _pv(acc, p, v, P_FP8: tl.constexpr, P_SCALE: tl.constexpr):
+def _softmax_fma(acc, l_i, m_i, dot, row_scale, mask, LOG2_P_SCALE: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """_softmax from the raw Q K^T tile and its per-row scale, with fewer instructions per
+    score: the maximum taken over the raw dots and then scaled (exact: the scale is positive
+    and rounding is monotonic), the probabilities as exp2 of one fused multiply-add that also
+    carries log2(P_SCALE), so p comes out already scaled for its e4m3 cast and the row sum
+    carries P_SCALE (the epilogue divides it out). Masked scores are -inf in the maximum and
+    0 in p (a padding row's zero scale would make -inf * 0 a NaN inside the exp2)."""
+    if MASKED:
+        dot = tl.where(mask, dot, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(dot, 1) * row_scale)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(dot * row_scale[:, None] - (m_new - LOG2_P_SCALE)[:, None])
+    if MASKED:
+        p = tl.where(mask, p, 0.0)
+    return p, acc * alpha[:, None], l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _pv(acc, p, v, P_FP8: tl.constexpr, P_SCALE: tl.constexpr, SCALED: tl.constexpr):
+    """acc + P V, p times P_SCALE first (SCALED: it already is)."""
+    if not SCALED:
+        p = p * P_SCALE
     if P_FP8:
-        return tl.dot((p * P_SCALE).to(tl.float8e4nv), v, acc)
-    return tl.dot((p * P_SCALE).to(tl.bfloat16), v.to(tl.bfloat16), acc)
+        return tl.dot(p.to(tl.float8e4nv), v, acc)
+    return tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16), acc)
+
+
+@triton.jit
+def _scores(acc, l_i, m_i, dot, row_scale, offs_n, S, MASKED: tl.constexpr,
+            LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr):
+    """The online-softmax update for one key tile (offs_n its slots) from its raw Q K^T; with
+    FMA, p comes out times P_SCALE."""
+    if FMA:
+        return _softmax_fma(acc, l_i, m_i, dot, row_scale, offs_n[None, :] < S, LOG2_P_SCALE,
+                            MASKED)
+    s = dot * row_scale[:, None]
+    if MASKED:
+        s = tl.where(offs_n[None, :] < S, s, float("-inf"))
+    return _softmax(acc, l_i, m_i, s)
 
 
 @triton.jit
 def _tile(acc, l_i, m_i, q, row_scale, k_ptr, v_ptr, start, S, stride_ks, stride_vs,
           stride_vd, offs_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-          P_FP8: tl.constexpr, P_SCALE: tl.constexpr):
+          P_FP8: tl.constexpr, P_SCALE: tl.constexpr, LOG2_P_SCALE: tl.constexpr,
+          FMA: tl.constexpr):
     offs_n = start + tl.arange(0, BLOCK_N)
     k_ptrs = k_ptr + offs_n[:, None] * stride_ks + offs_d[None, :]
     v_ptrs = v_ptr + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
@@ -34,17 +71,16 @@ def _tile(acc, l_i, m_i, q, row_scale, k_ptr, v_ptr, start, S, stride_ks, stride
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    s = tl.dot(q, tl.trans(k)) * row_scale[:, None]
-    if MASKED:
-        s = tl.where(offs_n[None, :] < S, s, float("-inf"))
-    p, acc, l_i, m_new = _softmax(acc, l_i, m_i, s)
-    return _pv(acc, p, v, P_FP8, P_SCALE), l_i, m_new
+    p, acc, l_i, m_new = _scores(acc, l_i, m_i, tl.dot(q, tl.trans(k)), row_scale, offs_n, S,
+                                 MASKED, LOG2_P_SCALE, FMA)
+    return _pv(acc, p, v, P_FP8, P_SCALE, FMA), l_i, m_new
 
 @triton.jit
 def attention_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, T, S, sm_scale_log2,
                      stride_qh, stride_qt, stride_kh, stride_ks, stride_vh, stride_vs,
                      stride_vd, stride_ot, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, P_FP8: tl.constexpr, P_SCALE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, P_FP8: tl.constexpr, P_SCALE: tl.constexpr,
+                     LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -62,12 +98,14 @@ def attention_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, T, S, s
     for start in range(0, full, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, row_scale, k_head, v_head, start, S,
                               stride_ks, stride_vs, stride_vd, offs_d, BLOCK_N, False,
-                              P_FP8, P_SCALE)
+                              P_FP8, P_SCALE, LOG2_P_SCALE, FMA)
     if full < S:
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, row_scale, k_head, v_head, full, S,
                               stride_ks, stride_vs, stride_vd, offs_d, BLOCK_N, True,
-                              P_FP8, P_SCALE)
-    out = acc * (tl.load(vs_ptr + h) / (l_i * P_SCALE))[:, None]
+                              P_FP8, P_SCALE, LOG2_P_SCALE, FMA)
+    if not FMA:  # with FMA the row sums carry P_SCALE already
+        l_i = l_i * P_SCALE
+    out = acc * (tl.load(vs_ptr + h) / l_i)[:, None]
     tl.store(o_ptr + offs_m[:, None] * stride_ot + h * D + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < T)
 
@@ -75,25 +113,24 @@ def attention_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, T, S, s
 @triton.jit
 def _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, start, S,
               D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              P_FP8: tl.constexpr, V_T: tl.constexpr, P_SCALE: tl.constexpr):
+              P_FP8: tl.constexpr, V_T: tl.constexpr, P_SCALE: tl.constexpr,
+              LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr):
     k = k_desc.load([h, start, 0]).reshape(BLOCK_N, D)
-    s = tl.dot(q, tl.trans(k)) * row_scale[:, None]
-    if MASKED:
-        offs_n = start + tl.arange(0, BLOCK_N)
-        s = tl.where(offs_n[None, :] < S, s, float("-inf"))
-    p, acc, l_i, m_new = _softmax(acc, l_i, m_i, s)
+    p, acc, l_i, m_new = _scores(acc, l_i, m_i, tl.dot(q, tl.trans(k)), row_scale,
+                                 start + tl.arange(0, BLOCK_N), S, MASKED, LOG2_P_SCALE, FMA)
     if V_T:
         v = tl.trans(v_desc.load([h, 0, start]).reshape(D, BLOCK_N))
     else:
         v = v_desc.load([h, start, 0]).reshape(BLOCK_N, D)
-    return _pv(acc, p, v, P_FP8, P_SCALE), l_i, m_new
+    return _pv(acc, p, v, P_FP8, P_SCALE, FMA), l_i, m_new
 
 
 @triton.jit
 def attention_tma_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, T, S,
                          sm_scale_log2, stride_ot, D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, P_FP8: tl.constexpr, V_T: tl.constexpr,
-                         P_SCALE: tl.constexpr):
+                         P_SCALE: tl.constexpr, LOG2_P_SCALE: tl.constexpr,
+                         FMA: tl.constexpr):
     """As attention_kernel, with tiles brought in by the tensor memory accelerator through
     3-D descriptors (out-of-bounds rows read as zero, then masked); V_T: the value store is
     [H, D, S] in memory, so that P V is an FP8 dot with V K-major."""
@@ -110,11 +147,13 @@ def attention_tma_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, 
     full = (S // BLOCK_N) * BLOCK_N
     for start in range(0, full, BLOCK_N):
         acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, start, S,
-                                  D, BLOCK_N, False, P_FP8, V_T, P_SCALE)
+                                  D, BLOCK_N, False, P_FP8, V_T, P_SCALE, LOG2_P_SCALE, FMA)
     if full < S:
         acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, full, S,
-                                  D, BLOCK_N, True, P_FP8, V_T, P_SCALE)
-    out = acc * (tl.load(vs_ptr + h) / (l_i * P_SCALE))[:, None]
+                                  D, BLOCK_N, True, P_FP8, V_T, P_SCALE, LOG2_P_SCALE, FMA)
+    if not FMA:  # with FMA the row sums carry P_SCALE already
+        l_i = l_i * P_SCALE
+    out = acc * (tl.load(vs_ptr + h) / l_i)[:, None]
     offs_d = tl.arange(0, D)
     tl.store(o_ptr + offs_m[:, None] * stride_ot + h * D + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < T)
