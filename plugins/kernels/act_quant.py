@@ -60,11 +60,19 @@ def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, o_ptr,
 
 
 @triton.jit
-def _swiglu(g_ptr, u_ptr, offs, m, dt):
+def _swiglu_dt(g_ptr, u_ptr, offs, m, dt):
+    """silu(gate) * up, rounded where the reference rounds, in the compute dtype (the one-pass
+    kernel holds its row so: half the registers of fp32 while the row waits for its amax)."""
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    return (silu * u).to(dt).to(tl.float32)
+    return (silu * u).to(dt)
+
+
+@triton.jit
+def _swiglu(g_ptr, u_ptr, offs, m, dt):
+    return _swiglu_dt(g_ptr, u_ptr, offs, m, dt).to(tl.float32)
+
 
 @triton.jit
 def swiglu_quant_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, stride_g,
@@ -96,16 +104,6 @@ def swiglu_quant_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, strid
         y = tl.clamp(tl.math.div_rn(_swiglu(g_row, u_row, offs, offs < M, dt), s),
                      -448.0, 448.0)
         tl.store(q_row + A + offs, y.to(tl.float8e4nv), mask=offs < M)
-
-
-@triton.jit
-def _swiglu_dt(g_ptr, u_ptr, offs, m, dt):
-    """silu(gate) * up as _swiglu computes it, left in the compute dtype (half the registers
-    of fp32 while the row waits for its amax)."""
-    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    return (silu * u).to(dt)
 
 
 @triton.jit
