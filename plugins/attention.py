@@ -23,6 +23,7 @@ import torch
 from charengine import fp8
 
 P_SCALE = 256.0
+LOG2_P_SCALE = math.log2(P_SCALE)
 
 
 def reference(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
@@ -90,7 +91,7 @@ def triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
         sm_scale_log2, q8.stride(0), q8.stride(1), k8.stride(0), k8.stride(1),
         v8.stride(0), v8.stride(1), v8.stride(2), out.stride(0), D=D, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, P_FP8=tiles.p_fp8, P_SCALE=P_SCALE,
-        LOG2_P_SCALE=math.log2(P_SCALE), FMA=tiles.fma, num_warps=tiles.warps,
+        LOG2_P_SCALE=LOG2_P_SCALE, FMA=tiles.fma, num_warps=tiles.warps,
         num_stages=tiles.stages)
     return out
 
@@ -110,7 +111,7 @@ def _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles, grid)
         TensorDescriptor(k8, list(k8.shape), list(k8.stride()), [1, bn, D]),
         TensorDescriptor(vd, list(vd.shape), list(vd.stride()), [1, D, bn] if v_t else [1, bn, D]),
         ks, vs, out, T, S, sm_scale_log2, out.stride(0), D=D, BLOCK_M=bm, BLOCK_N=bn,
-        P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE, LOG2_P_SCALE=math.log2(P_SCALE),
+        P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE, LOG2_P_SCALE=LOG2_P_SCALE,
         FMA=tiles.fma, num_warps=tiles.warps, num_stages=tiles.stages)
     return out
 

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .fp8_math import div_scale
+from .fp8_math import to_e4m3
 
 
 @triton.jit
@@ -36,7 +36,6 @@ def cache_quantize_kernel(x_ptr, scale_ptr, q_ptr, S, H, stride_row, stride_s, q
     x = tl.load(x_ptr + row.to(tl.int64) * stride_row + offs_s[:, None] * stride_s
                 + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + row)
-    y = tl.clamp(div_scale(x, scale, tl.math.div_rn(1.0, scale)), -448.0, 448.0)
     dst = q_ptr + c * q_stride_c + h * q_stride_h + offs_s[:, None] * q_stride_s \
         + offs_d[None, :] * q_stride_d
-    tl.store(dst, y.to(tl.float8e4nv), mask=m)
+    tl.store(dst, to_e4m3(x, scale, tl.math.div_rn(1.0, scale)), mask=m)

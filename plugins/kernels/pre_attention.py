@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .fp8_math import div_scale
+from .fp8_math import div_scale, to_e4m3
 
 
 @triton.jit
@@ -55,9 +55,8 @@ def pre_attention_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, 
                 q = q.to(out).to(tl.float32)
                 qs = tl.maximum(tl.max(tl.abs(q), 1), 1e-12) / 448.0
                 tl.store(qs_ptr + h * T + offs_t, qs, mask=offs_t < T)
-                q = tl.clamp(div_scale(q, qs[:, None], tl.math.div_rn(1.0, qs)[:, None]),
-                             -448.0, 448.0)
-                tl.store(qo, q.to(tl.float8e4nv), mask=mask)
+                tl.store(qo, to_e4m3(q, qs[:, None], tl.math.div_rn(1.0, qs)[:, None]),
+                         mask=mask)
             else:
                 tl.store(qo, q.to(out), mask=mask)
         else:
