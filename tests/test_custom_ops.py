@@ -52,7 +52,7 @@ def test_every_op_passes_torchs_op_checks(device):
     q8, qs = fp8.quantize_rows(rnd(2, 9, 32, device=device, g=g))
     k8 = fp8.quantize(rnd(2, 40, 32, device=device, g=g), 0.01)
     sc = torch.full((2, 1, 1), 0.01, device=device)
-    for tiles in (attention.AttentionTiles(), attention.AttentionTiles(fma=True)):
+    for tiles in (attention.AttentionTiles(), attention.AttentionTiles(fma=False)):
         checks.append((OPS.fp8_attention.default,
                        (q8, qs, k8, k8, sc, sc, torch.bfloat16, tiles.spec())))
     cache = fp8.quantize(rnd(3, 2, 40, 32, device=device, g=g, scale=3), 0.05)
@@ -61,7 +61,9 @@ def test_every_op_passes_torchs_op_checks(device):
                    (cache, torch.full((3, 2, 1, 1), 0.05, device=device), 10, omega, -42.0)))
     a8, a_s = fp8.quantize_rows(rnd(9, 64, device=device, g=g))
     w8, w_s = fp8.quantize_rows(rnd(48, 64, device=device, g=g))
-    checks.append((OPS.fp8_gemm.default, (a8, a_s, w8, w_s.reshape(-1), torch.bfloat16)))
+    for fast, tiles in ((False, fp8_gemm.GemmTiles()), (True, fp8_gemm.GemmTiles(promote_k=64))):
+        checks.append((OPS.fp8_gemm.default, (a8, a_s, w8, w_s.reshape(-1), torch.bfloat16,
+                                               fast, tiles.spec())))
     kv = [rnd(3, 2, 40, 32, device=device, g=g, scale=3) for _ in range(2)]
     stores = [torch.zeros(3, 2, 40, 32, dtype=fp8.FP8, device=device),
               torch.zeros(3, 2, 32, 48, dtype=fp8.FP8, device=device)[..., :40].transpose(-1, -2)]
@@ -126,7 +128,7 @@ def test_attention_tiles_read_back_from_their_spec():
     """The op carries its tiles as text: every field survives the round trip, and specs
     written before the optional fields existed still read."""
     for t in (attention.AttentionTiles(), attention.AttentionTiles(128, 64, 8, 2, False, False),
-              attention.AttentionTiles(fma=True)):
+              attention.AttentionTiles(fma=False)):
         assert attention.AttentionTiles.parse(t.spec()) == t
     old = attention.AttentionTiles.parse("64,128,4,3,fp8")
-    assert old == attention.AttentionTiles(tma=False) and not old.fma
+    assert old == attention.AttentionTiles(tma=False, fma=False) and not old.fma
