@@ -137,14 +137,14 @@ def floors(model: CharacterDiT, cache: KVCache, device, reps: int = 5) -> dict:
         kv = [(cache.k8[i], cache.v8[i], cache.scale[i, 0], cache.scale[i, 1]) for i in range(n)]
     else:
         kv = [(cache.k[i], cache.v[i]) for i in range(n)]
-    fast = cfg.numerics.fast_accum
 
     def gemms():
         for _ in range(cfg.schedule.passes):
             for b in range(spec.n_blocks):
                 for (aq, a_s), w in ((a_in, "w_in"), (a_out, "w_out")):
-                    fp8.scaled_mm(aq, a_s, model.w[f"blocks.{b}.{w}.q"],
-                                  model.w[f"blocks.{b}.{w}.scale"], model.dtype, fast)
+                    gemm = model.planned_gemm.get(w, fp8.scaled_mm)
+                    gemm(aq, a_s, model.w[f"blocks.{b}.{w}.q"], model.w[f"blocks.{b}.{w}.scale"],
+                         model.dtype, cfg.numerics.fast_accum_for(w))
 
     def attention():
         for i in range(cfg.schedule.passes * spec.n_blocks):
@@ -246,6 +246,46 @@ def profile_components(session: Session, steps: int, inputs, device) -> tuple[di
     return comps, kernels
 
 
+# kernel name -> component, first match wins (pre-attention before attention)
+KERNEL_KINDS = (("nvjet", "fp8_gemm"), ("Memset", "fp8_gemm_memset"), ("gemm", "fp8_gemm"),
+                ("pre_attention", "pre_attention"), ("attention", "attention"),
+                ("swiglu", "act_quant"), ("norm_modulate", "act_quant"),
+                ("act_quant", "act_quant"), ("delta_rotation", "delta_rotation"))
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for key, kind in KERNEL_KINDS if key in name), "other")
+
+
+def profile_graphed(session: Session, steps: int, inputs) -> dict:
+    """Graph-replayed steps under torch.profiler: per step, the device time of each kind of
+    kernel (by name) at the clock the step really runs at, and the idle time between kernels,
+    charged to the kernel that follows the gap (what each kernel boundary costs)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.autograd import DeviceType
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            session.step(*inputs())
+        torch.cuda.synchronize()
+    ev = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                if e.device_type() == DeviceType.CUDA)
+    busy, gap, count = {}, {}, {}
+    end = ev[0][0] if ev else 0
+    for start, stop, name in ev:
+        kind = kernel_kind(name)
+        busy[kind] = busy.get(kind, 0) + (stop - start)
+        gap[kind] = gap.get(kind, 0) + max(0, start - end)
+        count[kind] = count.get(kind, 0) + 1
+        end = max(end, stop)
+    ms = 1e-6 / steps
+    return {"span_ms": (end - ev[0][0]) * ms if ev else 0.0,
+            "busy_ms": {k: v * ms for k, v in busy.items()},
+            "gap_before_ms": {k: v * ms for k, v in gap.items()},
+            "kernels": {k: v / steps for k, v in count.items()},
+            "busy_total_ms": sum(busy.values()) * ms, "gap_total_ms": sum(gap.values()) * ms}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="characters-57b")
@@ -256,10 +296,19 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--exclude", type=int, default=60, help="first steps left out of steady state")
     ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--profile-graph-steps", type=int, default=3,
+                    help="graph-replayed steps profiled for kernel time and gaps (GPU only)")
     ap.add_argument("--no-graphs", action="store_true", help="eager steps (no CUDA graphs)")
-    ap.add_argument("--fast-accum", action="store_true")
+    ap.add_argument("--fast-accum", default=None, metavar="LINEARS",
+                    help="FP8 fast accumulation on these block linears (w_in,w_out; w_in; "
+                         "none: every partial sum promoted); default: the preset's numerics")
     ap.add_argument("--attention-tiles", default=None,
                     help="FP8 attention kernel tiles, e.g. 128,128,8,3,bf16,tma")
+    ap.add_argument("--gemm-in", default=None, metavar="CHOICE",
+                    help="the input projection's GEMM, as an engine's plan records it "
+                         "(scaled_mm, triton, triton:<GemmTiles spec>)")
+    ap.add_argument("--gemm-out", default=None, metavar="CHOICE",
+                    help="the output projection's GEMM (as --gemm-in)")
     ap.add_argument("--tag", default="", help="suffix of the result file's arm name")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--gpu-tag", default="h200")
@@ -270,8 +319,10 @@ def main():
 
     device = torch.device(args.device)
     cfg = preset(args.preset, tp=args.tp, switches=arm_switches(args.arm))
-    if args.fast_accum:
-        cfg = cfg.replace(numerics=dataclasses.replace(cfg.numerics, fast_accum=True))
+    if args.fast_accum is not None:
+        linears = () if args.fast_accum == "none" else tuple(args.fast_accum.split(","))
+        cfg = cfg.replace(numerics=dataclasses.replace(
+            cfg.numerics, fast_accum=bool(linears), fast_accum_linears=linears or ("w_in", "w_out")))
     spec = cfg.model
     shape = RankShape.of(spec, args.tp, args.rank)
     t0 = time.perf_counter()
@@ -281,8 +332,9 @@ def main():
         tables = bake_adaln(cfg, adaln_w)
         del adaln_w
         tiles = AttentionTiles.parse(args.attention_tiles) if args.attention_tiles else None
+        plan = {k: c for k, c in (("w_in", args.gemm_in), ("w_out", args.gemm_out)) if c}
         model = CharacterDiT(cfg, shape, state, adaln_tables=tables, device=device,
-                             attention_tiles=tiles)
+                             attention_tiles=tiles, gemm_plan=plan)
         del state
         cache = KVCache(cfg, shape.heads, device)
     graphed = device.type == "cuda" and not args.no_graphs
@@ -337,6 +389,8 @@ def main():
         period = [diffusion[0]] + period
         comps, kernels = profile_components(session, args.profile_steps, inputs, device) \
             if args.profile_steps else ({}, {})
+        graphed_profile = profile_graphed(session, args.profile_graph_steps, inputs) \
+            if graphed and args.profile_graph_steps else None
         fl = floors(model, cache, device)
     if backends is not None:
         backends.__exit__(None, None, None)
@@ -351,7 +405,7 @@ def main():
     result = {
         "preset": args.preset, "layout": f"tp{args.tp}-rank{args.rank}" if args.tp > 1 else "tp1",
         "gpu": args.gpu_tag, "arm": args.arm + args.tag, "run": args.run,
-        "attention_tiles": args.attention_tiles,
+        "attention_tiles": args.attention_tiles, "gemm_plan": plan,
         "switches": cfg.switches.__dict__, "numerics": cfg.numerics.__dict__,
         "graphs": graphed, "steps": args.steps, "exclude": args.exclude,
         "diffusion_p50_ms": d50, "diffusion_p90_ms": pct(d_st, 90),
@@ -363,7 +417,8 @@ def main():
         "tflops_per_gpu": (gemm_f + attn_f) / (d50 / 1e3) / 1e12,
         "pct_dense_fp8_peak": 100 * (gemm_f + attn_f) / (d50 / 1e3) / 1e12 / DENSE_FP8_PEAK_TFLOPS,
         "step_tflop": {"gemm": gemm_f / 1e12, "attention": attn_f / 1e12},
-        "components_ms": comps, "kernels_per_step": kernels, "floors_ms": fl,
+        "components_ms": comps, "kernels_per_step": kernels,
+        "graphed_step_profile": graphed_profile, "floors_ms": fl,
         "step_over_floor": d50 / (fl["fp8_gemm_ms"] + fl["attention_ms"]),
         "build_s": build_s, "session_start_s": start_s,
         "sync_debug_mode_checked": sync_checked,
@@ -383,6 +438,12 @@ def main():
     if kernels:
         print("kernels per step: " + ", ".join(f"{k}={v:.0f}" for k, v in kernels.items()))
     print("floors (ms/step): " + ", ".join(f"{k}={v:.2f}" for k, v in fl.items()))
+    if graphed_profile:
+        gp = graphed_profile
+        print(f"graphed step: span {gp['span_ms']:.2f} ms, kernels {gp['busy_total_ms']:.2f}, "
+              f"gaps {gp['gap_total_ms']:.2f}; per kind (busy / gaps before / count): " + ", ".join(
+                  f"{k}={gp['busy_ms'][k]:.2f}/{gp['gap_before_ms'][k]:.2f}/{gp['kernels'][k]:.0f}"
+                  for k in gp["busy_ms"]))
     if result["clocks_during_steps"]:
         print("clocks during the steps: " + ", ".join(
             f"{k}={v:.2f}" for k, v in result["clocks_during_steps"].items()))
