@@ -46,8 +46,8 @@ SCHEMAS = {
                      "Tensor v_scale, ScalarType out_dtype, str tiles) -> Tensor",
     "delta_rotation": "(Tensor(a!) k8, Tensor k_scale, int first_slot, Tensor omega_t, "
                       "float delta) -> ()",
-    "fp8_gemm": "(Tensor a_q, Tensor a_scale, Tensor w_q, Tensor w_scale, ScalarType out_dtype) "
-                "-> Tensor",
+    "fp8_gemm": "(Tensor a_q, Tensor a_scale, Tensor w_q, Tensor w_scale, ScalarType out_dtype, "
+                "bool fast_accum, str tiles) -> Tensor",
     "calibrate_cache": "(Tensor k, Tensor v, Tensor(a!) k8, Tensor(b!) v8, Tensor(c!) scale, "
                        "float margin, float fp8_max) -> ()",
 }
@@ -80,6 +80,16 @@ def _pre_attention_fake(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store
     return q.new_empty((H, T, D)), _no_scale(q)
 
 
+def _gemm_kernel(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, tiles):
+    return gemm.triton_scaled_mm(a_q, a_scale, w_q, w_scale, out_dtype,
+                                 gemm.GemmTiles.parse(tiles), fast_accum)
+
+
+def _gemm_reference(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, tiles):
+    """The exact emulation: fp32 sums of exact products (no reduced-precision accumulator)."""
+    return gemm.reference(a_q, a_scale, w_q, w_scale, out_dtype)
+
+
 def _attention_kernel(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
     return attn.triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
                                  attn.AttentionTiles.parse(tiles))
@@ -108,8 +118,8 @@ KERNELS = {
                       _pre_attention_fake),
     "fp8_attention": (_attention_reference, _attention_kernel, _attention_fake),
     "delta_rotation": (dr.reference, dr.triton_delta_rotation, lambda *args: None),
-    "fp8_gemm": (gemm.reference, gemm.triton_scaled_mm,
-                 lambda a_q, a_s, w_q, w_s, out_dtype: a_q.new_empty(
+    "fp8_gemm": (_gemm_reference, _gemm_kernel,
+                 lambda a_q, a_s, w_q, w_s, out_dtype, fast_accum, tiles: a_q.new_empty(
                      (a_q.shape[0], w_q.shape[0]), dtype=out_dtype)),
     "calibrate_cache": (cal.reference, cal.triton_calibrate, lambda *args: None),
 }

@@ -8,8 +8,9 @@ tokens per frame, the rank's own weights) and records the winner in the engine
 
 from __future__ import annotations
 
+import functools
 import statistics
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -27,12 +28,36 @@ class GemmTiles:
     group_m: int = 8
     warps: int = 8
     stages: int = 4
+    # K elements (at most block_k) the tensor cores accumulate at reduced precision before
+    # each add into the fp32 accumulator (kernels/fp8_gemm.py): None follows the numerics,
+    # once per K tile as cuBLASLt does by default, never (0) with fast accumulation
+    promote_k: int | None = None
+
+    def promote(self, fast_accum: bool) -> int:
+        if self.promote_k is not None:
+            return self.promote_k
+        return 0 if fast_accum else self.block_k
+
+    def spec(self) -> str:
+        """The text `parse` reads back."""
+        return ",".join("" if v is None else str(v) for v in astuple(self))
+
+    @classmethod
+    def parse(cls, text: str) -> "GemmTiles":
+        """'128,256,128,8,8,3[,promote_k]' -> GemmTiles."""
+        f = text.split(",")
+        promote = int(f[6]) if len(f) > 6 and f[6] else None
+        return cls(*(int(x) for x in f[:6]), promote)
 
 
 def triton_scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
                      w_scale: torch.Tensor, out_dtype: torch.dtype,
-                     tiles: GemmTiles = GemmTiles()) -> torch.Tensor:
-    """As fp8.scaled_mm: a_q [M, K], a_scale [M, 1], w_q [N, K], w_scale [N]."""
+                     tiles: GemmTiles = GemmTiles(), fast_accum: bool = False) -> torch.Tensor:
+    """As fp8.scaled_mm: a_q [M, K], a_scale [M, 1], w_q [N, K], w_scale [N]; the FP8
+    products promoted to fp32 as `tiles.promote(fast_accum)` says."""
+    promote = tiles.promote(fast_accum)
+    if not 0 <= promote <= tiles.block_k:
+        raise ValueError(f"promote_k {promote} must be between 0 and block_k {tiles.block_k}")
     from .kernels.fp8_gemm import fp8_gemm_kernel
 
     M, K = a_q.shape
@@ -43,25 +68,30 @@ def triton_scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
     grid = (((M + tiles.block_m - 1) // tiles.block_m) * ((N + tiles.block_n - 1) // tiles.block_n),)
     fp8_gemm_kernel[grid](a_q, a_scale, w_q, w_scale, c, M, N, K, a_q.stride(0), w_q.stride(0),
                           c.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                          BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_warps=tiles.warps,
-                          num_stages=tiles.stages)
+                          BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, PROMOTE=promote,
+                          num_warps=tiles.warps, num_stages=tiles.stages)
     return c
 
 
-def _triton(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum: bool = False):
+def _triton(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum: bool = False,
+            tiles: str = GemmTiles().spec()):
     """The Triton kernel's custom op (plugins/custom_ops.py; the CPU emulation on CPU tensors)
-    with fp8.scaled_mm's signature (it always accumulates in fp32)."""
+    with fp8.scaled_mm's signature and the tiles' spec."""
     from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
 
-    return torch.ops.charengine.fp8_gemm.default(a_q, a_scale, w_q, w_scale, out_dtype)
+    return torch.ops.charengine.fp8_gemm.default(a_q, a_scale, w_q, w_scale, out_dtype,
+                                                 fast_accum, tiles)
 
 
 def op(choice: str | None):
-    """The GEMM for a recorded choice (None: the default, `_scaled_mm`)."""
+    """The GEMM for a recorded choice (None: the default, `_scaled_mm`): "scaled_mm",
+    "triton" (default tiles) or "triton:<GemmTiles spec>"."""
     if choice in (None, "scaled_mm"):
         return reference
-    if choice == "triton":
-        return _triton
+    name, _, spec = choice.partition(":")
+    if name == "triton":
+        return functools.partial(_triton, tiles=GemmTiles.parse(spec).spec() if spec
+                                 else GemmTiles().spec())
     raise ValueError(f"unknown GEMM choice {choice!r}; known: {', '.join(CHOICES)}")
 
 

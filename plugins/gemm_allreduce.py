@@ -86,8 +86,9 @@ class Exchange:
 
 
 def gemm_push(x: Exchange, a_q, a_scale, w_q, w_scale,
-              tiles: GemmTiles = GemmTiles()) -> None:
-    """This rank's partial product into every rank's slot, flags raised."""
+              tiles: GemmTiles = GemmTiles(), fast_accum: bool = False) -> None:
+    """This rank's partial product into every rank's slot, flags raised; FP8 products
+    promoted to fp32 as `tiles.promote(fast_accum)` says."""
     from .kernels.gemm_allreduce import gemm_push_kernel
 
     M, K = a_q.shape
@@ -100,7 +101,8 @@ def gemm_push(x: Exchange, a_q, a_scale, w_q, w_scale,
     gemm_push_kernel[grid](a_q, a_scale, w_q, w_scale, x.data_ptrs, x.flag_ptrs, x.epoch, M, N,
                            K, a_q.stride(0), w_q.stride(0), RANK=x.rank, WORLD=x.world,
                            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                           GROUP_M=tiles.group_m, num_warps=tiles.warps,
+                           GROUP_M=tiles.group_m, PROMOTE=tiles.promote(fast_accum),
+                           num_warps=tiles.warps,
                            num_stages=tiles.stages)
 
 
@@ -130,5 +132,5 @@ class SymmetricGemmAllReduce:
         shape = (a_q.shape[0], w_q.shape[0])
         if not use_fused(a_q.device, self.x.world, shape, self.steady, True):
             return reference(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, all_reduce)
-        gemm_push(self.x, a_q, a_scale, w_q, w_scale, self.tiles)
+        gemm_push(self.x, a_q, a_scale, w_q, w_scale, self.tiles, fast_accum)
         return reduce(self.x, out_dtype, self.tiles)

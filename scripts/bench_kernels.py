@@ -55,6 +55,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def scale_bias(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """The least-squares factor between a and ref, minus one: whether an error shrinks or
+    grows the output systematically rather than adding noise."""
+    a, ref = a.float().flatten(), ref.float().flatten()
+    return (torch.dot(a, ref) / torch.dot(ref, ref) - 1).item()
+
+
 def fp8_code_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
     """How far apart two e4m3 tensors are, in codes (adjacent values differ by one code)."""
     d = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
@@ -279,19 +286,24 @@ def bench_gemm(spec, shape, calls, reps, dev):
         ws = [fp8.quantize_rows(torch.randn(N, K, device=dev, generator=g)) for _ in range(n)]
         ws = [(q, s[:, 0].contiguous()) for q, s in ws]
         flop = 2 * T * N * K
-        ref = fp8.scaled_mm(a_q, a_s, *ws[0], torch.float32)
+        # fp32 sums of the exact FP8 products: the error is the accumulation's and rounding's
+        ref = (a_q.float() @ ws[0][0].float().t()) * a_s * ws[0][1][None, :]
         res = {}
         for fast in (False, True):
             us = graph_time_us(lambda i: fp8.scaled_mm(a_q, a_s, *ws[i % n], torch.bfloat16, fast),
                                calls, reps)
             o = fp8.scaled_mm(a_q, a_s, *ws[0], torch.bfloat16, fast)
-            res[f"scaled_mm{'_fast' if fast else ''}"] = {"us": us, "tflops": flop / us / 1e6,
-                                                          "rel_err": rel(o, ref)}
-        for bm, bn, bk, w, st in ((128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
-                                  (64, 128, 128, 4, 4), (128, 128, 64, 4, 5),
-                                  (64, 256, 128, 8, 4), (128, 64, 128, 4, 4)):
-            t = fp8_gemm.GemmTiles(bm, bn, bk, 8, w, st)
-            key = f"triton_m{bm}_n{bn}_k{bk}_w{w}_s{st}"
+            res[f"scaled_mm{'_fast' if fast else ''}"] = {
+                "us": us, "tflops": flop / us / 1e6, "rel_err": rel(o, ref),
+                "scale_bias": scale_bias(fp8.scaled_mm(a_q, a_s, *ws[0], torch.float32, fast), ref)}
+        # promote: None once per K tile (cuBLASLt's default numerics), 0 never (fast
+        # accumulation's)
+        for bm, bn, bk, w, st, promote in (
+                (128, 128, 128, 8, 4, None), (128, 256, 128, 8, 3, None),
+                (64, 128, 128, 4, 4, None), (128, 128, 64, 4, 5, None),
+                (128, 128, 128, 8, 4, 0), (128, 256, 128, 8, 3, 0)):
+            t = fp8_gemm.GemmTiles(bm, bn, bk, 8, w, st, promote)
+            key = f"triton_m{bm}_n{bn}_k{bk}_w{w}_s{st}_promote{t.promote(False)}"
             try:
                 o = fp8_gemm.triton_scaled_mm(a_q, a_s, *ws[0], torch.bfloat16, t)
                 us = graph_time_us(lambda i: fp8_gemm.triton_scaled_mm(

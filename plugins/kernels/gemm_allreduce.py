@@ -19,13 +19,13 @@ from .fp8_gemm import fp8_gemm_tile
 def gemm_push_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, data_ptrs, flag_ptrs, epoch_ptr, M, N, K,
                      stride_am, stride_wn, RANK: tl.constexpr, WORLD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, PROMOTE: tl.constexpr):
     """This rank's partial C = (A * a_scale) (W * w_scale)^T, tile by tile, stored as bf16
     straight into every rank's slot (parity, RANK) (peer-to-peer stores), each tile then
     signalled to every rank with a system-scope release."""
     c, offs_m, offs_n, pid_m, pid_n = fp8_gemm_tile(a_ptr, as_ptr, w_ptr, ws_ptr, M, N, K,
                                                     stride_am, stride_wn, BLOCK_M, BLOCK_N,
-                                                    BLOCK_K, GROUP_M)
+                                                    BLOCK_K, GROUP_M, PROMOTE)
     c = c.to(tl.bfloat16)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
