@@ -40,7 +40,7 @@ def gemm_plan(cfg, state: dict) -> tuple[dict, dict]:
                    for i in range(spec.n_blocks)]
         times[kind] = fp8_gemm.time_choices(weights, spec.tokens_per_frame,
                                             getattr(torch, cfg.numerics.dtype),
-                                            cfg.numerics.fast_accum)
+                                            cfg.numerics.fast_accum_for(kind))
         plan[kind] = fp8_gemm.choose(times[kind])
     return plan, times
 

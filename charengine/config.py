@@ -266,11 +266,29 @@ class Numerics:
     dtype: str = "bfloat16"  # activations and the unquantized cache: "bfloat16" or "float32"
     fp8_gemm: bool = True
     fp8_attention: bool = True
-    fast_accum: bool = False  # cuBLASLt FP8 fast accumulation (GPU only; changes numerics)
+    # FP8 GEMMs without promoting partial sums to fp32 (GPU only), as vLLM's sm90 FP8 GEMMs
+    # run: 2.7e-3 relative error at K = 12,800 against 1.3e-4 promoted, both far below the
+    # 3.7e-2 of FP8 quantization itself; 6.2 ms off the TP-3 step (docs/PERFORMANCE.md)
+    fast_accum: bool = True
+    # the block linears fast_accum applies to: "w_in" (input projection, sums over dim) and
+    # "w_out" (output projection, sums over the attention and MLP widths)
+    fast_accum_linears: tuple[str, ...] = ("w_in", "w_out")
+
+    LINEARS = ("w_in", "w_out")
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"numerics.dtype must be 'bfloat16' or 'float32', not {self.dtype!r}")
+        linears = tuple(self.fast_accum_linears)  # a list when read back from JSON
+        unknown = [x for x in linears if x not in self.LINEARS]
+        if unknown:
+            raise ValueError(f"numerics.fast_accum_linears: unknown {unknown}; known: "
+                             f"{', '.join(self.LINEARS)}")
+        object.__setattr__(self, "fast_accum_linears", linears)
+
+    def fast_accum_for(self, linear: str) -> bool:
+        """Whether block linear `linear` ("w_in" or "w_out") accumulates without promotion."""
+        return self.fast_accum and linear in self.fast_accum_linears
 
 
 @dataclass(frozen=True)

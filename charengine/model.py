@@ -150,16 +150,17 @@ class CharacterDiT(torch.nn.Module):
                  reduce: AllReduce | None = None) -> torch.Tensor:
         """Quantized activations [M, K] (scales [M, 1]) times the FP8 weight; `reduce` is fused
         into the GEMM where fused_gemm_allreduce is on."""
-        nm = self.cfg.numerics
+        kind = name.rsplit(".", 1)[1]
+        fast = self.cfg.numerics.fast_accum_for(kind)
         wq, ws = self.w[f"{name}.q"], self.w[f"{name}.scale"]
         if reduce is not None and self.gemm_allreduce is not None:
             with self.scope("fp8_gemm"):
-                return self.gemm_allreduce(aq, a_s, wq, ws, self.dtype, nm.fast_accum, reduce)
+                return self.gemm_allreduce(aq, a_s, wq, ws, self.dtype, fast, reduce)
         gemm = fp8.scaled_mm
         if aq.shape[0] == self.spec.tokens_per_frame:  # the shape the plan was measured at
-            gemm = self.planned_gemm.get(name.rsplit(".", 1)[1], gemm)
+            gemm = self.planned_gemm.get(kind, gemm)
         with self.scope("fp8_gemm"):
-            out = gemm(aq, a_s, wq, ws, self.dtype, nm.fast_accum)
+            out = gemm(aq, a_s, wq, ws, self.dtype, fast)
         return self.reduced(out, reduce)
 
     def reduced(self, out: torch.Tensor, reduce: AllReduce | None) -> torch.Tensor:

@@ -5,8 +5,12 @@ L2 error. The default run is repeated to show the comparison's floor (run-to-run
 
     python scripts/numerics_compare.py --preset characters-57b --tp 3 --steps 48
 
-Variants: `fast_accum` (cuBLASLt FP8 fast accumulation), `bf16_gemm` (the block linears in
-bf16 over the dequantized FP8 weights: the error FP8 activations bring, for scale).
+Variants: `precise` (FP8 GEMMs promoting their partial sums to fp32), `fast_accum` (without,
+on both block linears), `fast_accum_w_in` (on the input projection only), `bf16_gemm` (the
+block linears in bf16 over the dequantized FP8 weights: the error FP8 activations bring, for
+scale), and the control `attention_rounding` (the FP8 attention kernel's other softmax
+evaluation, AttentionTiles.fma flipped: only roundings move), which shows how far a change
+that moves nothing but roundings moves the latents.
 Writes docs/results/numerics_<preset>_<layout>_<gpu>.json.
 """
 
@@ -25,12 +29,17 @@ from charengine.cache import KVCache
 from charengine.config import RankShape, preset
 from charengine.engine_format import this_machine
 from charengine.model import CharacterDiT, bake_adaln
+from charengine.plugins import attention
+from charengine.plugins.attention import AttentionTiles
 from charengine.step import Session, ar_step
 from charengine.weights import random_rank_state
 
+CONTROLS = ("attention_rounding",)
 VARIANTS = {
     "default": {},
-    "fast_accum": {"fast_accum": True},
+    "precise": {"fast_accum": False},
+    "fast_accum": {"fast_accum": True, "fast_accum_linears": ("w_in", "w_out")},
+    "fast_accum_w_in": {"fast_accum": True, "fast_accum_linears": ("w_in",)},
     "bf16_gemm": {"fp8_gemm": False},
 }
 
@@ -51,7 +60,7 @@ def main():
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--steps", type=int, default=48, help="crosses the reset at step 42")
     ap.add_argument("--exclude", type=int, default=6, help="steps left out of the summary")
-    ap.add_argument("--variants", default="fast_accum,bf16_gemm")
+    ap.add_argument("--variants", default="precise,fast_accum,bf16_gemm,attention_rounding")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--gpu-tag", default="h200")
     ap.add_argument("--seed", type=int, default=0)
@@ -80,9 +89,16 @@ def main():
         ref = session_latents(model, cache, base, inputs)
         out = {"default_again": session_latents(model, cache, base, inputs)}
         for name in args.variants.split(","):
+            if name in CONTROLS:
+                saved = model.fp8_attention
+                model.fp8_attention = attention.select(
+                    spec.head_dim, AttentionTiles(fma=not AttentionTiles().fma))
+                out[name] = session_latents(model, cache, base, inputs)
+                model.fp8_attention = saved
+                continue
             if name not in VARIANTS or name == "default":
-                raise SystemExit(f"unknown variant {name!r}; known: "
-                                 f"{', '.join(v for v in VARIANTS if v != 'default')}")
+                raise SystemExit(f"unknown variant {name!r}; known: " + ", ".join(
+                    [v for v in VARIANTS if v != "default"] + list(CONTROLS)))
             cfg = base.replace(numerics=dataclasses.replace(base.numerics, **VARIANTS[name]))
             out[name] = session_latents(model, cache, cfg, inputs)
         wall = time.perf_counter() - t0
@@ -90,6 +106,7 @@ def main():
     result = {"preset": args.preset, "layout": f"tp{args.tp}-rank{args.rank}",
               "gpu": args.gpu_tag, "steps": args.steps, "exclude": args.exclude,
               "machine": this_machine(), "date": time.strftime("%Y-%m-%d"), "wall_s": wall,
+              "default_numerics": dataclasses.asdict(base.numerics),
               "variants": {}}
     for name, lat_v in out.items():
         err = ((lat_v - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).tolist()

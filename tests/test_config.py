@@ -91,3 +91,16 @@ def test_configs_are_frozen():
     cfg = preset("tiny")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.tp = 2
+
+
+def test_fast_accumulation_names_its_linears_and_reads_back_from_json():
+    """The numerics say which block linears sum without promotion; a manifest's JSON list reads
+    back as the same numerics, and an unknown linear is refused by name."""
+    import json
+
+    n = Numerics(fast_accum=True, fast_accum_linears=("w_in",))
+    assert n.fast_accum_for("w_in") and not n.fast_accum_for("w_out")
+    assert not Numerics(fast_accum=False).fast_accum_for("w_in")
+    assert Numerics(**json.loads(json.dumps(n.__dict__))) == n
+    with pytest.raises(ValueError, match="w_up"):
+        Numerics(fast_accum_linears=("w_up",))

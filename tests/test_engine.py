@@ -107,13 +107,14 @@ def test_other_gpu_arch_is_refused():
 
 def test_other_torch_is_refused(copy):
     m = json.loads((copy / "manifest.json").read_text())
-    m["built_with"]["torch"] = "2.11.0+cu130"
+    m["built_with"]["torch"] = "2.0.0+other"  # no machine that runs the suite has it
     (copy / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(EngineError, match=r"built with torch 2.11.0\+cu130; this machine has torch"):
+    with pytest.raises(EngineError, match=r"built with torch 2.0.0\+other; this machine has torch"):
         Engine.load(copy)
 
 
 def test_charrun_reports_a_damaged_engine_in_one_line(copy, tmp_path):
+    pytest.importorskip("av")  # charrun writes MP4 through PyAV (absent on the GPU machine)
     (copy / "adaln.safetensors").write_bytes(b"junk")
     r = subprocess.run([sys.executable, "-m", "charengine.runtime.cli", "--engine", str(copy),
                         "--image", str(ROOT / "assets/face.png"), "--audio",
