@@ -41,6 +41,17 @@ def arm_switches(arm: str) -> Switches:
     return Switches.cumulative(arm)
 
 
+def arm_config(arm: str, preset_name: str, tp: int) -> EngineConfig:
+    """The arm's config. The switch arms (the waterfall's bars) hold the FP8 GEMMs at
+    promoted sums, as every arm was measured before fast accumulation became the default
+    (session 6); "production" is the preset as shipped, fast accumulation included, so the
+    waterfall's last bar adds it."""
+    cfg = preset(preset_name, tp=tp, switches=arm_switches(arm))
+    if arm != "production":
+        cfg = cfg.replace(numerics=dataclasses.replace(cfg.numerics, fast_accum=False))
+    return cfg
+
+
 def step_flops(cfg: EngineConfig, shape: RankShape) -> tuple[float, float]:
     """(GEMM, attention) FLOP of one AR step on this rank."""
     spec, T = cfg.model, cfg.model.tokens_per_frame
@@ -318,7 +329,7 @@ def main():
     args = ap.parse_args()
 
     device = torch.device(args.device)
-    cfg = preset(args.preset, tp=args.tp, switches=arm_switches(args.arm))
+    cfg = arm_config(args.arm, args.preset, args.tp)
     if args.fast_accum is not None:
         linears = () if args.fast_accum == "none" else tuple(args.fast_accum.split(","))
         cfg = cfg.replace(numerics=dataclasses.replace(

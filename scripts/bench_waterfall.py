@@ -24,7 +24,7 @@ LABELS = {"baseline": "Baseline", "baked_adaln": "+AdaLN", "rope_at_write": "+Ro
           "fused_pre_attention": "+Fused pre-attn.", "fused_act_quant": "+Fused act. quant",
           "fp8_attention_kernel": "+FP8 attention", "fused_delta_rotation": "+Fused delta rot.",
           "fused_residual": "+Fused residual", "fused_calibration": "+Fused calib.",
-          "production": "Production (all on)"}
+          "production": "+Fast accum. = production"}
 
 
 def plot(summary: dict, path: Path, title: str) -> None:
@@ -53,7 +53,9 @@ def plot(summary: dict, path: Path, title: str) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(ARMS + ["production"]),
+                    help="the switch arms run with promoted FP8 sums; production, the last, "
+                         "adds fast accumulation (bench_session.arm_config)")
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     ap.add_argument("--seed", type=int, default=0, help="order shuffle seed")
     ap.add_argument("--first-run", type=int, default=1)
