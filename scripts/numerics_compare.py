@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from charengine.cache import KVCache
-from charengine.config import RankShape, preset
+from charengine.config import Numerics, RankShape, Switches, preset
 from charengine.engine_format import this_machine
 from charengine.model import CharacterDiT, bake_adaln
 from charengine.plugins import attention
@@ -35,6 +35,8 @@ from charengine.step import Session, ar_step
 from charengine.weights import random_rank_state
 
 CONTROLS = ("attention_rounding",)
+FP32 = Numerics(dtype="float32", fp8_gemm=False, fp8_attention=False)
+PLAIN_UPTO = "conditioning_cache"  # the last switch before the kernels (the cache in fp32)
 VARIANTS = {
     "default": {},
     "precise": {"fast_accum": False},
@@ -52,6 +54,21 @@ def session_latents(model, cache, cfg, inputs) -> torch.Tensor:
     return torch.stack([session.step(noise, audio).float().cpu() for noise, audio in steps])
 
 
+def fp32_latents(base, spec, shape, seed, device, inputs) -> torch.Tensor:
+    """The session under FP32 numerics: the same weights (the FP8 ones dequantized), fp32
+    activations and cache, no FP8 activations or attention, and the plain path of every
+    kernel switch (their parity with it is tested), in a model of its own that is freed
+    after."""
+    switches = dataclasses.replace(Switches.cumulative(PLAIN_UPTO), fp8_kv=False)
+    cfg = base.replace(numerics=FP32, switches=switches)
+    state, adaln_w = random_rank_state(spec, shape, seed, device, torch.float32)
+    model = CharacterDiT(cfg, shape, state, adaln_tables=bake_adaln(cfg, adaln_w), device=device)
+    del state, adaln_w
+    latents = session_latents(model, KVCache(cfg, shape.heads, device), cfg, inputs)
+    del model
+    return latents
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,6 +78,10 @@ def main():
     ap.add_argument("--steps", type=int, default=48, help="crosses the reset at step 42")
     ap.add_argument("--exclude", type=int, default=6, help="steps left out of the summary")
     ap.add_argument("--variants", default="precise,fast_accum,bf16_gemm,attention_rounding")
+    ap.add_argument("--reference", choices=("default", "fp32"), default="default",
+                    help="what each run is compared with: the default numerics' run, or the "
+                         "same weights in fp32 with no FP8 anywhere (and no kernels), the "
+                         "model the quantized ones approximate")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--gpu-tag", default="h200")
     ap.add_argument("--seed", type=int, default=0)
@@ -86,8 +107,12 @@ def main():
         del state, adaln_w
         cache = KVCache(base, shape.heads, device)
         t0 = time.perf_counter()
-        ref = session_latents(model, cache, base, inputs)
-        out = {"default_again": session_latents(model, cache, base, inputs)}
+        if args.reference == "fp32":
+            ref = fp32_latents(base, spec, shape, args.seed, device, inputs)
+            out = {"default": session_latents(model, cache, base, inputs)}
+        else:
+            ref = session_latents(model, cache, base, inputs)
+            out = {"default_again": session_latents(model, cache, base, inputs)}
         for name in args.variants.split(","):
             if name in CONTROLS:
                 saved = model.fp8_attention
@@ -106,17 +131,18 @@ def main():
     result = {"preset": args.preset, "layout": f"tp{args.tp}-rank{args.rank}",
               "gpu": args.gpu_tag, "steps": args.steps, "exclude": args.exclude,
               "machine": this_machine(), "date": time.strftime("%Y-%m-%d"), "wall_s": wall,
-              "default_numerics": dataclasses.asdict(base.numerics),
+              "default_numerics": dataclasses.asdict(base.numerics), "reference": args.reference,
               "variants": {}}
     for name, lat_v in out.items():
         err = ((lat_v - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).tolist()
         kept = err[args.exclude:]
         result["variants"][name] = {"rel_l2_median": statistics.median(kept),
                                     "rel_l2_max": max(kept), "rel_l2_per_step": err}
-        print(f"{name:14s} rel L2 vs default: median {statistics.median(kept):.3e}, "
+        print(f"{name:14s} rel L2 vs {args.reference}: median {statistics.median(kept):.3e}, "
               f"max {max(kept):.3e} (steps {args.exclude}-{args.steps - 1})")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"numerics_{args.preset}_{result['layout']}_{args.gpu_tag}.json"
+    suffix = "" if args.reference == "default" else f"_vs-{args.reference}"
+    path = args.out / f"numerics_{args.preset}_{result['layout']}_{args.gpu_tag}{suffix}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
 
