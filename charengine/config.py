@@ -270,11 +270,10 @@ class Numerics:
     # run: 2.7e-3 relative error at K = 12,800 against 1.3e-4 promoted, both far below the
     # 3.7e-2 of FP8 quantization itself; 6.2 ms off the TP-3 step (docs/PERFORMANCE.md)
     fast_accum: bool = True
+    LINEARS = ("w_in", "w_out")  # the block linears (not a field)
     # the block linears fast_accum applies to: "w_in" (input projection, sums over dim) and
     # "w_out" (output projection, sums over the attention and MLP widths)
-    fast_accum_linears: tuple[str, ...] = ("w_in", "w_out")
-
-    LINEARS = ("w_in", "w_out")
+    fast_accum_linears: tuple[str, ...] = LINEARS
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float32"):

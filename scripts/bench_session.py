@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from charengine.cache import KVCache
-from charengine.config import EngineConfig, RankShape, Switches, preset
+from charengine.config import EngineConfig, Numerics, RankShape, Switches, preset
 from charengine.engine_format import this_machine
 from charengine.graphs import GraphedStep
 from charengine.model import CharacterDiT, bake_adaln
@@ -333,7 +333,7 @@ def main():
     if args.fast_accum is not None:
         linears = () if args.fast_accum == "none" else tuple(args.fast_accum.split(","))
         cfg = cfg.replace(numerics=dataclasses.replace(
-            cfg.numerics, fast_accum=bool(linears), fast_accum_linears=linears or ("w_in", "w_out")))
+            cfg.numerics, fast_accum=bool(linears), fast_accum_linears=linears or Numerics.LINEARS))
     spec = cfg.model
     shape = RankShape.of(spec, args.tp, args.rank)
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ PLAIN_UPTO = "conditioning_cache"  # the last switch before the kernels (the cac
 VARIANTS = {
     "default": {},
     "precise": {"fast_accum": False},
-    "fast_accum": {"fast_accum": True, "fast_accum_linears": ("w_in", "w_out")},
+    "fast_accum": {"fast_accum": True, "fast_accum_linears": Numerics.LINEARS},
     "fast_accum_w_in": {"fast_accum": True, "fast_accum_linears": ("w_in",)},
     "bf16_gemm": {"fp8_gemm": False},
 }
