@@ -228,11 +228,18 @@ class Switches:
     fused_residual: bool = True  # gated residual add inside the next block's norm + quant
     fused_calibration: bool = True  # FP8 KV calibration of every cache in two kernels
     fused_gemm_allreduce: bool = True  # output projection GEMM and TP all-reduce fused
+    # The gated residual add in the output projection's epilogue (cuBLASLt's C input, the
+    # AdaLN gate folded into the weight scale per pass), taking over from fused_residual where
+    # the GEMMs are FP8, AdaLN is baked and cuBLASLt runs the output projection. Off: it
+    # moved 0.9 ms from activation quantization into the GEMMs and left the TP-3 step where
+    # it was (docs/PERFORMANCE.md, session 7). Not a waterfall arm.
+    gemm_residual: bool = False
 
     # Figure 2's order; the FP8 attention kernel and the fused delta rotation (the paper's
     # baseline already had FP8 attention, and it does not break out the reset) come last
     # before the fused all-reduce; the fused residual add and the fused calibration (ours, the
-    # latter acting on the session's one calibration step) after them.
+    # latter acting on the session's one calibration step) after them. Switches off by
+    # default are not arms (cumulative leaves them at their default).
     ORDER = ("baked_adaln", "rope_at_write", "ring_cache", "fp8_kv", "conditioning_cache",
              "fused_pre_attention", "fused_act_quant", "fp8_attention_kernel",
              "fused_delta_rotation", "fused_residual", "fused_calibration",

@@ -4,8 +4,9 @@ global tokens.
 
 Block: xm = LN(h) * (1 + scale) + shift; [q k v gate up] = W_in xm (FP8, column-parallel);
 attention over the cache; o = W_out [attn, silu(gate) * up] (FP8, row-parallel), all-reduced;
-h += gate_ada * o (with fused_residual, inside the next block's first kernel). Shift, scale
-and gate come from the pass's timestep alone.
+h += gate_ada * o (with gemm_residual, in the output projection's epilogue, the gate folded
+into its weight scale; else with fused_residual, inside the next block's first kernel). Shift,
+scale and gate come from the pass's timestep alone.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class CharacterDiT(torch.nn.Module):
         it the GEMM is followed by `all_reduce`. `gemm_plan`: the engine's per-shape GEMM
         choice for each block linear ("w_in", "w_out") at M = tokens per frame."""
         super().__init__()
-        from .plugins import act_quant, attention, fp8_gemm, pre_attention
+        from .plugins import act_quant, attention, fp8_gemm, gemm_residual, pre_attention
 
         spec = self.spec = cfg.model
         self.cfg, self.rank = cfg, rank
@@ -124,6 +125,17 @@ class CharacterDiT(torch.nn.Module):
         self.fp8_attention = attention.select(spec.head_dim, attention_tiles) \
             if sw.fp8_attention_kernel and sw.fp8_kv else None
         self.planned_gemm = {kind: fp8_gemm.op(c) for kind, c in (gemm_plan or {}).items()}
+        # the residual add in the output projection's epilogue: where the GEMMs take FP8
+        # activations, the gate is a baked constant per (block, pass) and the output
+        # projection runs cuBLASLt (the planned default); scales [blocks, passes, N] fp32
+        self.gemm_residual = None
+        if sw.gemm_residual and cfg.numerics.fp8_gemm and sw.baked_adaln \
+                and (gemm_plan or {}).get("w_out", "scaled_mm") == "scaled_mm":
+            self.gemm_residual = gemm_residual.select(device)
+            gates = self.adaln_table[:, :, 2].float()  # [passes, blocks, d], rounded as baked
+            self.register_buffer("gated_scale", torch.stack([
+                self.w[f"blocks.{b}.w_out.scale"].float()[None, :] * gates[:, b]
+                for b in range(spec.n_blocks)]), persistent=False)
         self.annotate = False  # label regions for torch.profiler (benchmarks set it)
 
     def scope(self, name: str):
@@ -252,6 +264,22 @@ class CharacterDiT(torch.nn.Module):
             return self.fp8_attention(q8, q_scale, cache.k8[bp], cache.v8[bp], cache.scale[bp, 0],
                                       cache.scale[bp, 1], self.dtype)
 
+    def finish_block_residual(self, b: int, p: int, attn, gate, up, h) -> torch.Tensor:
+        """SwiGLU and the output projection with the gated residual in its epilogue: the new
+        h = h + gate * o (gemm_residual). Under TP, h is added once to the sum: by rank 0
+        before the all-reduce, or inside the fused exchange's reduction on every rank."""
+        name = f"blocks.{b}.w_out"
+        with self.scope("act_quant"):
+            aq, a_s = self.act.swiglu(attn, gate, up)
+        wq, ws = self.w[f"{name}.q"], self.gated_scale[b, p]
+        fast = self.cfg.numerics.fast_accum_for("w_out")
+        with self.scope("fp8_gemm"):
+            if self.gemm_allreduce is not None:
+                return self.gemm_allreduce(aq, a_s, wq, ws, self.dtype, fast, self.all_reduce, h)
+            adds_h = self.all_reduce is identity or self.rank.rank == 0
+            out = self.gemm_residual(aq, a_s, wq, ws, h if adds_h else None, self.dtype, fast)
+        return self.reduced(out, self.all_reduce)
+
     def finish_block(self, b: int, attn, gate, up) -> torch.Tensor:
         """SwiGLU and the output projection (all-reduced): the block's o, before its gated
         residual."""
@@ -284,6 +312,8 @@ class CharacterDiT(torch.nn.Module):
                 if slots is not None:
                     kc, vc = kc[:, :slots], vc[:, :slots]
             o = self.attend(q, kc, vc, mask)
+        if self.gemm_residual is not None:
+            return self.finish_block_residual(b, p, o, g, u, h), None
         return h, (self.finish_block(b, o, g, u), mod[2])
 
     def pre_attention_write(self, b: int, bp: int, q, k, v, cond: StepConditioning,

@@ -14,8 +14,10 @@ steady-state shape (M = tokens per frame, N = model width); every other shape (t
 start's global tokens) takes the reference path. The paper's production outage came from
 binding buffers per prompt length: here there is exactly one binding per worker.
 
-Accumulation is fp32 (no fast accumulation), and the partials cross the wire as bf16, as
-NCCL's bf16 all-reduce does.
+The products follow numerics.fast_accum, and the partials cross the wire as bf16, as NCCL's
+bf16 all-reduce does. With `residual` (plugins/gemm_residual.py: the gate folded into the
+weight scale) the reduction adds the residual stream h to the sum on every rank; the NCCL
+path has rank 0 add it to its partial before the all-reduce.
 """
 
 from __future__ import annotations
@@ -24,15 +26,20 @@ import torch
 
 from charengine import fp8
 
+from . import gemm_residual
 from .fp8_gemm import GemmTiles
 
 
 def reference(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
               w_scale: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool,
-              all_reduce) -> torch.Tensor:
+              all_reduce, residual: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 activations a_q [M, K] with per-token scales [M, 1], FP8 weight slice w_q [N, K]
-    with per-channel scales [N]: the rank's partial product, summed over the TP group."""
-    return all_reduce(fp8.scaled_mm(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum))
+    with per-channel scales [N]: the rank's partial product (plus `residual`, which the
+    caller passes on one rank only), summed over the TP group."""
+    if residual is None:
+        return all_reduce(fp8.scaled_mm(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum))
+    return all_reduce(gemm_residual.reference(a_q, a_scale, w_q, w_scale, residual, out_dtype,
+                                              fast_accum))
 
 
 def use_fused(device: torch.device, world: int, shape: tuple[int, int],
@@ -106,15 +113,19 @@ def gemm_push(x: Exchange, a_q, a_scale, w_q, w_scale,
                            num_stages=tiles.stages)
 
 
-def reduce(x: Exchange, out_dtype: torch.dtype,
-           tiles: GemmTiles = GemmTiles()) -> torch.Tensor:
-    """Sum of the world's partials, as they arrive; then the epoch advances."""
+def reduce(x: Exchange, out_dtype: torch.dtype, tiles: GemmTiles = GemmTiles(),
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of the world's partials (plus `residual` [M, N], contiguous), as they arrive, rounded
+    once; then the epoch advances."""
     from .kernels.gemm_allreduce import reduce_kernel
 
     M, N = x.data.shape[2:]
+    if residual is not None and (tuple(residual.shape) != (M, N) or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous {(M, N)}, got {tuple(residual.shape)}")
     out = torch.empty((M, N), dtype=out_dtype, device=x.data.device)
     grid = (-(-M // tiles.block_m), -(-N // tiles.block_n))
-    reduce_kernel[grid](x.data, x.flags, x.epoch, out, M, N, WORLD=x.world,
+    reduce_kernel[grid](x.data, x.flags, x.epoch, out, residual if residual is not None else out,
+                        M, N, WORLD=x.world, RESIDUAL=residual is not None,
                         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=4)
     x.epoch.add_(1)
     return out
@@ -128,9 +139,12 @@ class SymmetricGemmAllReduce:
         self.x, self.tiles = exchange, tiles
         self.steady = tuple(exchange.data.shape[2:])
 
-    def __call__(self, a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, all_reduce):
+    def __call__(self, a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, all_reduce,
+                 residual=None):
+        """`residual`: the residual stream, the same on every rank, added once to the sum."""
         shape = (a_q.shape[0], w_q.shape[0])
         if not use_fused(a_q.device, self.x.world, shape, self.steady, True):
-            return reference(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, all_reduce)
+            return reference(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, all_reduce,
+                             residual if self.x.rank == 0 else None)
         gemm_push(self.x, a_q, a_scale, w_q, w_scale, self.tiles, fast_accum)
-        return reduce(self.x, out_dtype, self.tiles)
+        return reduce(self.x, out_dtype, self.tiles, residual)

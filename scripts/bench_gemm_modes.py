@@ -13,7 +13,6 @@ Writes docs/results/gemm_modes_<preset>_tp<N>_<gpu>.json.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import random
 import statistics
@@ -25,112 +24,8 @@ import torch
 from charengine import fp8
 from charengine.config import RankShape, preset
 from charengine.engine_format import this_machine
-
-# cublasLt.h / library_types.h / cublas_api.h (CUDA 13)
-R_32F, R_16BF, R_E4M3, COMPUTE_32F = 0, 14, 28, 68
-DESC_TRANSA, DESC_TRANSB, DESC_A_SCALE, DESC_B_SCALE, DESC_FAST_ACCUM = 3, 4, 17, 18, 25
-DESC_A_SCALE_MODE, DESC_B_SCALE_MODE, SCALE_OUTER_VEC_32F = 31, 32, 3
-PREF_MAX_WORKSPACE = 1
-CONFIG_ATTRS = (("id", 0, ctypes.c_int32), ("tile", 1, ctypes.c_uint32),
-                ("splitk", 2, ctypes.c_int32), ("stages", 6, ctypes.c_uint32),
-                ("cluster", 8, ctypes.c_uint16))
-
-
-class Algo(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64 * 8)]
-
-
-class Heuristic(ctypes.Structure):
-    _fields_ = [("algo", Algo), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
-
-
-def cublaslt() -> ctypes.CDLL:
-    """The libcublasLt that torch has loaded (a rowwise _scaled_mm loads it)."""
-    z = torch.zeros(16, 16, device="cuda").to(fp8.FP8)
-    one = torch.ones((), device="cuda")
-    torch._scaled_mm(z, z.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if "libcublasLt" in line:
-                return ctypes.CDLL(line.split()[-1])
-    raise RuntimeError("libcublasLt is not loaded")
-
-
-class LtGemm:
-    """D [M, N] bf16 row-major = (a [M, K] * sa [M]) (w [N, K] * sw [N])^T (+ beta C), as
-    cuBLASLt's column-major D^T = op(W) A^T with outer-vector scales."""
-
-    def __init__(self, lt, handle, M, N, K, fast: bool, beta: float = 0.0,
-                 workspace: int = 32 << 20):
-        self.lt, self.handle, self.M, self.N = lt, handle, M, N
-        self.desc = ctypes.c_void_p()
-        self.ok(lt.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, R_32F))
-        for attr, value, ct in ((DESC_TRANSA, 1, ctypes.c_int32), (DESC_TRANSB, 0, ctypes.c_int32),
-                                (DESC_A_SCALE_MODE, SCALE_OUTER_VEC_32F, ctypes.c_int32),
-                                (DESC_B_SCALE_MODE, SCALE_OUTER_VEC_32F, ctypes.c_int32),
-                                (DESC_FAST_ACCUM, int(fast), ctypes.c_int8)):
-            self.set(attr, value, ct)
-        self.a = self.layout(R_E4M3, K, N, K)
-        self.b = self.layout(R_E4M3, K, M, K)
-        self.c = self.layout(R_16BF, N, M, N)
-        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(beta)
-        self.ws = torch.empty(workspace, dtype=torch.uint8, device="cuda")
-        self.pref = ctypes.c_void_p()
-        self.ok(lt.cublasLtMatmulPreferenceCreate(ctypes.byref(self.pref)))
-        size = ctypes.c_uint64(workspace)
-        self.ok(lt.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE,
-                                                        ctypes.byref(size), 8))
-
-    @staticmethod
-    def ok(status):
-        if status != 0:
-            raise RuntimeError(f"cuBLASLt status {status}")
-
-    def set(self, attr, value, ct):
-        v = ct(value)
-        self.ok(self.lt.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(v),
-                                                       ctypes.sizeof(v)))
-
-    def layout(self, dtype, rows, cols, ld):
-        out = ctypes.c_void_p()
-        self.ok(self.lt.cublasLtMatrixLayoutCreate(ctypes.byref(out), dtype, ctypes.c_uint64(rows),
-                                                   ctypes.c_uint64(cols), ctypes.c_int64(ld)))
-        return out
-
-    def scales(self, sa, sw):
-        self.set(DESC_A_SCALE, sw.data_ptr(), ctypes.c_void_p)  # cuBLASLt's A is the weight
-        self.set(DESC_B_SCALE, sa.data_ptr(), ctypes.c_void_p)
-
-    def heuristics(self, sa, sw, n: int = 64) -> list[Heuristic]:
-        self.scales(sa, sw)
-        res, count = (Heuristic * n)(), ctypes.c_int()
-        self.ok(self.lt.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.a, self.b,
-                                                       self.c, self.c, self.pref, n, res,
-                                                       ctypes.byref(count)))
-        return [res[i] for i in range(count.value) if res[i].state == 0]
-
-    def __call__(self, a, sa, w, sw, h: Heuristic, out=None):
-        self.scales(sa, sw)
-        d = out if out is not None else torch.empty(self.M, self.N, dtype=torch.bfloat16,
-                                                    device="cuda")
-        p = ctypes.c_void_p
-        self.ok(self.lt.cublasLtMatmul(
-            self.handle, self.desc, ctypes.byref(self.alpha), p(w.data_ptr()), self.a,
-            p(a.data_ptr()), self.b, ctypes.byref(self.beta), p(d.data_ptr()), self.c,
-            p(d.data_ptr()), self.c, ctypes.byref(h.algo), p(self.ws.data_ptr()),
-            ctypes.c_size_t(self.ws.numel()), p(torch.cuda.current_stream().cuda_stream)))
-        return d
-
-    def config(self, h: Heuristic) -> dict:
-        out = {}
-        for name, attr, ct in CONFIG_ATTRS:
-            v, n = ct(), ctypes.c_size_t()
-            self.lt.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(h.algo), attr,
-                                                         ctypes.byref(v), ctypes.sizeof(v),
-                                                         ctypes.byref(n))
-            out[name] = v.value
-        return {**out, "workspace": h.workspace, "waves": round(h.waves, 2)}
+from charengine.plugins.cublaslt import Handle, Matmul
+from charengine.plugins.gemm_residual import WORKSPACE_BYTES
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:
@@ -175,9 +70,7 @@ def main():
     T, passes, blocks = spec.tokens_per_frame, cfg.schedule.passes, spec.n_blocks
     shapes = {"w_in": (shape.in_proj_rows(spec), spec.dim),
               "w_out": (spec.dim, shape.out_proj_cols(spec))}
-    lt = cublaslt()
-    handle = ctypes.c_void_p()
-    LtGemm.ok(lt.cublasLtCreate(ctypes.byref(handle)))
+    handle = Handle(torch.device("cuda"), WORKSPACE_BYTES)
     g = torch.Generator(device="cuda").manual_seed(0)
     result = {"preset": args.preset, "tp": args.tp, "machine": this_machine(),
               "date": time.strftime("%Y-%m-%d"), "per_shape": {}}
@@ -193,28 +86,29 @@ def main():
                                                      dtype=torch.bfloat16))
                 wb[k] = (q, s[:, 0].float().contiguous())
             weights.append(wb)
-        lts = {(k, fast): LtGemm(lt, handle, T, N, K, fast)
+        lts = {(k, fast): Matmul(handle, T, N, K, torch.bfloat16, fast, False)
                for k, (N, K) in shapes.items() for fast in (False, True)}
-        best = {key: g_.heuristics(act1[key[0]][1], weights[0][key[0]][1])
+        best = {key: g_.heuristics(act1[key[0]][1], weights[0][key[0]][1], 64)
                 for key, g_ in lts.items()}
         for (k, fast), hs in best.items():  # every algorithm the heuristic offers
             gm, rows = lts[k, fast], []
             for h in hs:
-                graph = capture(lambda: [gm(*act1[k], *wb[k], h) for wb in weights[:40]])
+                graph = capture(lambda: [gm(*act1[k], *wb[k], heuristic=h)
+                                         for wb in weights[:40]])
                 per = time_graphs({"x": graph}, args.reps)["x"]["ms"] * 1e3 / 40
                 rows.append({"us": per, **gm.config(h)})
             result["per_shape"][f"{k}{'_fast' if fast else ''}"] = {"algorithms": len(hs),
                                                                     "timed": rows}
         # the residual in the output projection's epilogue: D = h + A B, in place
-        gm = LtGemm(lt, handle, T, *shapes["w_out"], False, beta=1.0)
-        h0 = gm.heuristics(act1["w_out"][1], weights[0]["w_out"][1])[0]
+        gm = Matmul(handle, T, *shapes["w_out"], torch.bfloat16, False, True)
         resid = [torch.randn(T, spec.dim, device="cuda", generator=g).bfloat16() for _ in range(8)]
         plain = best["w_out", False][0]
         graphs = {
-            "w_out": capture(lambda: [lts["w_out", False](*act1["w_out"], *wb["w_out"], plain)
+            "w_out": capture(lambda: [lts["w_out", False](*act1["w_out"], *wb["w_out"],
+                                                          heuristic=plain)
                                        for wb in weights[:40]]),
             "w_out_plus_residual": capture(lambda: [
-                gm(*act1["w_out"], *wb["w_out"], h0, out=resid[i % 8])
+                gm(*act1["w_out"], *wb["w_out"], resid[i % 8], out=resid[i % 8])
                 for i, wb in enumerate(weights[:40])])}
         result["residual_in_epilogue_us"] = {k: v["ms"] * 1e3 / 40 for k, v in
                                              time_graphs(graphs, args.reps).items()}
@@ -233,7 +127,7 @@ def main():
                                 torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one,
                                                  out_dtype=torch.bfloat16, use_fast_accum=fast)
                             else:
-                                lts[k, fast](a1, sa1, w, sw, best[k, fast][0])
+                                lts[k, fast](a1, sa1, w, sw)
             return run
 
         graphs = {f"{m}{'_fast' if f else ''}": capture(step(m, f))

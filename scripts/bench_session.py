@@ -52,6 +52,19 @@ def arm_config(arm: str, preset_name: str, tp: int) -> EngineConfig:
     return cfg
 
 
+def parse_switches(text: str) -> dict[str, bool]:
+    """'gemm_residual=1,fused_residual=0' -> {"gemm_residual": True, "fused_residual": False}."""
+    known = {f.name for f in dataclasses.fields(Switches)}
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in known or value not in ("0", "1"):
+            raise SystemExit(f"--switches: {item!r} is not NAME=0|1 with NAME among "
+                             f"{', '.join(sorted(known))}")
+        out[name] = value == "1"
+    return out
+
+
 def step_flops(cfg: EngineConfig, shape: RankShape) -> tuple[float, float]:
     """(GEMM, attention) FLOP of one AR step on this rank."""
     spec, T = cfg.model, cfg.model.tokens_per_frame
@@ -310,6 +323,8 @@ def main():
     ap.add_argument("--profile-graph-steps", type=int, default=3,
                     help="graph-replayed steps profiled for kernel time and gaps (GPU only)")
     ap.add_argument("--no-graphs", action="store_true", help="eager steps (no CUDA graphs)")
+    ap.add_argument("--switches", default=None, metavar="NAME=0|1,...",
+                    help="switches set on top of the arm's, e.g. gemm_residual=1")
     ap.add_argument("--fast-accum", default=None, metavar="LINEARS",
                     help="FP8 fast accumulation on these block linears (w_in,w_out; w_in; "
                          "none: every partial sum promoted); default: the preset's numerics")
@@ -334,6 +349,9 @@ def main():
         linears = () if args.fast_accum == "none" else tuple(args.fast_accum.split(","))
         cfg = cfg.replace(numerics=dataclasses.replace(
             cfg.numerics, fast_accum=bool(linears), fast_accum_linears=linears or Numerics.LINEARS))
+    if args.switches:
+        cfg = cfg.replace(switches=dataclasses.replace(cfg.switches,
+                                                       **parse_switches(args.switches)))
     spec = cfg.model
     shape = RankShape.of(spec, args.tp, args.rank)
     t0 = time.perf_counter()

@@ -92,10 +92,11 @@ def test_three_ranks_buffers_on_one_gpu_reduce_to_the_full_product():
             wq, ws = fp8.quantize_rows(w[:, r::world].contiguous())
             parts.append(fp8.scaled_mm(aq, a_s, wq, ws[:, 0].contiguous(), torch.float32))
             gar.gemm_push(x, aq, a_s, wq, ws[:, 0].contiguous())
-        outs = [gar.reduce(x, torch.bfloat16) for x in xs]
+        h = (torch.randn(m, n, device=CUDA, generator=g) * 30).to(torch.bfloat16)
+        outs = [gar.reduce(x, torch.bfloat16, residual=h) for x in xs]
         assert all(torch.equal(outs[0], o) for o in outs[1:])
-        assert rel(outs[0], sum(parts)) < 1e-2
-        assert rel(outs[0], full) < 6e-2  # FP8 operands
+        assert rel(outs[0].float() - h.float(), sum(parts)) < 1e-2  # h added once
+        assert rel(outs[0].float() - h.float(), full) < 6e-2  # FP8 operands
 
 
 @pytest.mark.gpu
@@ -139,6 +140,12 @@ def _two_gpu_rank(rank, port, result):
         fused = op(aq, a_s, wq, ws, torch.bfloat16, False, nccl)
         plain = gar.reference(aq, a_s, wq, ws, torch.float32, False, nccl)
         errs.append(rel(fused, plain))
+        h = (torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda")
+                         .manual_seed(len(errs))) * 30).to(torch.bfloat16)  # same on both
+        fused = op(aq, a_s, wq, ws, torch.bfloat16, False, nccl, residual=h)
+        plain = gar.reference(aq, a_s, wq, ws, torch.float32, False, nccl,
+                              h if rank == 0 else None)
+        errs.append(rel(fused.float() - h.float(), plain - h.float()))
     torch.save(errs, f"{result}.{rank}")
     dist.destroy_process_group()
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from charengine import fp8
-from charengine.config import preset
+from charengine.config import Switches, preset
 from charengine.graphs import GraphedStep
 from charengine.rank import make_session, rank_state
 from charengine.weights import random_weights
@@ -35,6 +35,15 @@ def test_graphed_steps_equal_eager_steps_and_never_sync():
     eager = run(cfg, "cuda")
     graphed = run(cfg, "cuda", GraphedStep(), sync_check=True)
     assert rel_err(eager, graphed).max() < 1e-3
+
+
+def test_graphed_steps_with_the_residual_in_the_gemm_epilogue_match_the_plain_add():
+    """gemm_residual (cuBLASLt's C input, called through ctypes) captured in CUDA graphs,
+    against the default path's residual add inside the norm kernel, eager."""
+    cfg = preset("tiny")
+    on = run(cfg.replace(switches=Switches(gemm_residual=True)), "cuda", GraphedStep(),
+             sync_check=True)
+    assert rel_err(run(cfg, "cuda"), on).max() < 5e-3
 
 
 def test_gpu_step_matches_cpu_step():

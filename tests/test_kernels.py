@@ -19,7 +19,7 @@ import torch
 from charengine import fp8
 from charengine.config import PRESETS, Switches, preset
 from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, \
-    pre_attention
+    gemm_residual, pre_attention
 from charengine.rope import cos_sin
 from rollout import rel_err
 
@@ -257,6 +257,38 @@ def test_triton_fp8_gemm_accumulates_as_cublaslt_does(M, N, K):
     if K > 1024:
         for lib in ("cublaslt", "triton"):
             assert err[lib, False] < err[lib, True] / 10, err
+
+
+@pytest.mark.parametrize("M,N,K", [(757, 7680, 12800), (37, 304, 96)])
+@pytest.mark.parametrize("fast", [False, True])
+def test_cublaslt_adds_the_residual_in_its_epilogue(M, N, K, fast):
+    """h + (a * sa) (w * sw)^T rounded once, as the reference, with signed weight scales (the
+    AdaLN gate folded in); the output buffer poisoned before the call. cuBLASLt and the
+    reference's `_scaled_mm` sum in different orders, so a value may sit one bf16 unit off."""
+    from charengine.plugins.cublaslt import Handle, Matmul
+
+    g = torch.Generator(device=DEV).manual_seed(M + N)
+    aq, a_s = fp8.quantize_rows(torch.randn(M, K, device=DEV, generator=g))
+    wq, ws = fp8.quantize_rows(torch.randn(N, K, device=DEV, generator=g))
+    gate = torch.randn(N, device=DEV, generator=g)
+    ws = (ws[:, 0] * gate).contiguous()
+    h = (torch.randn(M, N, device=DEV, generator=g) * 4).to(torch.bfloat16)
+    handle = Handle(torch.device(DEV), gemm_residual.WORKSPACE_BYTES)
+    for residual in (h, None):
+        ref = gemm_residual.reference(aq, a_s, wq, ws, residual, torch.bfloat16, fast)
+        mm = Matmul(handle, M, N, K, torch.bfloat16, fast, residual is not None)
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+        mm(aq, a_s[:, 0].contiguous(), wq, ws, residual, out=out)
+        diff = (out.float() - ref.float()).abs()
+        assert not out.isnan().any()
+        assert (diff <= 2.0 ** -7 * ref.float().abs() + 1e-6).all(), diff.max()
+        assert (diff > 0).float().mean() < 0.05
+    op = gemm_residual.LtGemmResidual(torch.device(DEV))
+    assert torch.equal(op(aq, a_s, wq, ws, h, torch.bfloat16, fast),
+                       Matmul(handle, M, N, K, torch.bfloat16, fast, True)(
+                           aq, a_s[:, 0].contiguous(), wq, ws, h))
+    with pytest.raises(ValueError, match="residual"):
+        op(aq, a_s, wq, ws, h[:, :16].contiguous(), torch.bfloat16, fast)
 
 
 def test_step_with_kernels_matches_the_plain_step():

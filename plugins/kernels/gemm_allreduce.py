@@ -47,10 +47,11 @@ def gemm_push_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, data_ptrs, flag_ptrs, epoch_p
 
 
 @triton.jit
-def reduce_kernel(data_ptr, flag_ptr, epoch_ptr, out_ptr, M, N, WORLD: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def reduce_kernel(data_ptr, flag_ptr, epoch_ptr, out_ptr, res_ptr, M, N, WORLD: tl.constexpr,
+                  RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """out tile = sum over ranks of this rank's slots (parity, r), each read once its flag
-    says the epoch's tile is there (system-scope acquire)."""
+    says the epoch's tile is there (system-scope acquire); with RESIDUAL, plus the residual
+    tile, in fp32 before the one rounding."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -63,6 +64,8 @@ def reduce_kernel(data_ptr, flag_ptr, epoch_ptr, out_ptr, M, N, WORLD: tl.conste
     offs = offs_m[:, None] * N + offs_n[None, :]
     inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if RESIDUAL:
+        acc += tl.load(res_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     for r in tl.static_range(WORLD):
         flag = flag_ptr + (parity * WORLD + r) * tiles + tile
         while tl.atomic_add(flag, 0, sem="acquire", scope="sys") <= epoch:
