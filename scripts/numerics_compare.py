@@ -61,7 +61,8 @@ def fp32_latents(base, spec, shape, seed, device, inputs) -> torch.Tensor:
     after."""
     switches = dataclasses.replace(Switches.cumulative(PLAIN_UPTO), fp8_kv=False)
     cfg = base.replace(numerics=FP32, switches=switches)
-    state, adaln_w = random_rank_state(spec, shape, seed, device, torch.float32)
+    state, adaln_w = random_rank_state(spec, shape, seed, device, torch.float32,
+                                       keep_adaln_weights=False)
     model = CharacterDiT(cfg, shape, state, adaln_tables=bake_adaln(cfg, adaln_w), device=device)
     del state, adaln_w
     latents = session_latents(model, KVCache(cfg, shape.heads, device), cfg, inputs)
@@ -100,8 +101,10 @@ def main():
                 torch.randn(spec.audio_tokens, spec.audio_dim, generator=g).to(device))
                for _ in range(args.steps)])
     with torch.inference_mode():
+        # the AdaLN weights (10.6B parameters at characters-57b) only to bake the tables
         state, adaln_w = random_rank_state(spec, shape, args.seed, device,
-                                           getattr(torch, base.numerics.dtype))
+                                           getattr(torch, base.numerics.dtype),
+                                           keep_adaln_weights=False)
         model = CharacterDiT(base, shape, state, adaln_tables=bake_adaln(base, adaln_w),
                              device=device)
         del state, adaln_w
