@@ -85,14 +85,23 @@ def _triton(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum: bool = False,
 
 def op(choice: str | None):
     """The GEMM for a recorded choice (None: the default, `_scaled_mm`): "scaled_mm",
-    "triton" (default tiles) or "triton:<GemmTiles spec>"."""
+    "triton" (default tiles), "triton:<GemmTiles spec>", or "quack[:<QuackTiles spec>]"
+    (plugins/quack_gemm.py, where quack is installed; not yet among the builder's timed
+    CHOICES)."""
     if choice in (None, "scaled_mm"):
         return reference
     name, _, spec = choice.partition(":")
     if name == "triton":
         return functools.partial(_triton, tiles=GemmTiles.parse(spec).spec() if spec
                                  else GemmTiles().spec())
-    raise ValueError(f"unknown GEMM choice {choice!r}; known: {', '.join(CHOICES)}")
+    if name == "quack":
+        from . import quack_gemm
+
+        tiles = quack_gemm.QuackTiles.parse(spec) if spec else quack_gemm.QuackTiles()
+        if not quack_gemm.available():
+            raise ValueError(f"GEMM choice {choice!r} needs quack-kernels, not installed here")
+        return functools.partial(quack_gemm.quack_scaled_mm, tiles=tiles)
+    raise ValueError(f"unknown GEMM choice {choice!r}; known: {', '.join(CHOICES)}, quack")
 
 
 def time_choices(weights: list[tuple[torch.Tensor, torch.Tensor]], m: int, out_dtype,

@@ -13,6 +13,7 @@ docs/results/kernels_<preset>_tp<N>_<gpu>.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -26,7 +27,7 @@ from charengine import fp8
 from charengine.config import RankShape, preset
 from charengine.engine_format import this_machine
 from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, \
-    pre_attention
+    pre_attention, quack_gemm
 from charengine.rope import RopeTables
 
 
@@ -275,7 +276,13 @@ def bench_calibrate(spec, cfg, shape, reps, dev):
                              ("triton", calibrate.triton_calibrate))}
 
 
-def bench_gemm(spec, shape, calls, reps, dev):
+QUACK_TILES = ("128,256,2,1,0", "128,192,2,1,1", "256,192,1,2,0", "256,160,1,2,0",
+               "128,128,2,1,1")
+
+
+def bench_gemm(spec, shape, calls, reps, dev, libs=("scaled_mm", "triton", "quack")):
+    """`libs`: the candidates timed; quack where it is installed (plugins/quack_gemm.py),
+    with fast accumulation at every tile configuration and promoted sums at the first."""
     T = spec.tokens_per_frame
     g = torch.Generator(device=dev).manual_seed(4)
     out = {}
@@ -298,10 +305,11 @@ def bench_gemm(spec, shape, calls, reps, dev):
                 "scale_bias": scale_bias(fp8.scaled_mm(a_q, a_s, *ws[0], torch.float32, fast), ref)}
         # promote: None once per K tile (cuBLASLt's default numerics), 0 never (fast
         # accumulation's)
-        for bm, bn, bk, w, st, promote in (
+        triton_tiles = () if "triton" not in libs else (
                 (128, 128, 128, 8, 4, None), (128, 256, 128, 8, 3, None),
                 (64, 128, 128, 4, 4, None), (128, 128, 64, 4, 5, None),
-                (128, 128, 128, 8, 4, 0), (128, 256, 128, 8, 3, 0)):
+                (128, 128, 128, 8, 4, 0), (128, 256, 128, 8, 3, 0))
+        for bm, bn, bk, w, st, promote in triton_tiles:
             t = fp8_gemm.GemmTiles(bm, bn, bk, 8, w, st, promote)
             key = f"triton_m{bm}_n{bn}_k{bk}_w{w}_s{st}_promote{t.promote(False)}"
             try:
@@ -312,6 +320,20 @@ def bench_gemm(spec, shape, calls, reps, dev):
                 res[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 continue
             res[key] = {"us": us, "tflops": flop / us / 1e6, "rel_err": rel(o, ref)}
+        if "quack" in libs and quack_gemm.available():
+            runs = [(spec_, True) for spec_ in QUACK_TILES] + [(QUACK_TILES[0], False)]
+            for spec_, fast in runs:
+                key = f"quack_{spec_.replace(',', '_')}{'_fast' if fast else ''}"
+                gemm = functools.partial(quack_gemm.quack_scaled_mm, fast_accum=fast,
+                                         tiles=quack_gemm.QuackTiles.parse(spec_))
+                try:
+                    o = gemm(a_q, a_s, *ws[0], torch.bfloat16)
+                    us = graph_time_us(lambda i: gemm(a_q, a_s, *ws[i % n], torch.bfloat16),
+                                       calls, reps)
+                except Exception as e:
+                    res[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    continue
+                res[key] = {"us": us, "tflops": flop / us / 1e6, "rel_err": rel(o, ref)}
         out[f"{name}_{T}x{N}x{K}"] = res
     return out
 
@@ -325,6 +347,8 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--only", nargs="*", default=["attention", "pre_attention", "act", "delta",
                                                   "calibrate", "gemm"])
+    ap.add_argument("--gemm-libs", default="scaled_mm,triton,quack",
+                    help="the GEMM candidates --only gemm times (quack where installed)")
     ap.add_argument("--gpu-tag", default="h200")
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     args = ap.parse_args()
@@ -342,7 +366,8 @@ def main():
             "act": lambda: bench_act(spec, shape, args.calls, args.reps, dev),
             "delta": lambda: bench_delta(spec, cfg, shape, args.reps, dev),
             "calibrate": lambda: bench_calibrate(spec, cfg, shape, args.reps, dev),
-            "gemm": lambda: bench_gemm(spec, shape, args.calls, args.reps, dev),
+            "gemm": lambda: bench_gemm(spec, shape, args.calls, args.reps, dev,
+                                       tuple(args.gemm_libs.split(","))),
         }
         for name in args.only:
             t0 = time.perf_counter()

@@ -124,6 +124,25 @@ def test_on_cpu_the_ops_are_the_references():
                        fp8_gemm.reference(a8, a_s, w8, w_s.reshape(-1), torch.bfloat16))
 
 
+def test_the_quack_gemm_choice_reads_its_tiles_and_says_what_it_needs():
+    """quack:<tiles> reads back; where quack-kernels is missing, choosing it fails at model
+    build with a line naming the package; on CPU tensors the GEMM is the reference."""
+    from charengine.plugins import quack_gemm
+
+    t = quack_gemm.QuackTiles(256, 192, 1, 2, True)
+    assert quack_gemm.QuackTiles.parse(t.spec()) == t
+    with pytest.raises(ValueError, match="pingpong"):
+        quack_gemm.QuackTiles.parse("128,256,2,1")
+    if not quack_gemm.available():
+        with pytest.raises(ValueError, match="quack-kernels"):
+            fp8_gemm.op("quack:128,256,2,1,0")
+    g = gen("cpu", 5)
+    a8, a_s = fp8.quantize_rows(rnd(9, 64, device="cpu", g=g))
+    w8, w_s = fp8.quantize_rows(rnd(48, 64, device="cpu", g=g))
+    assert torch.equal(quack_gemm.quack_scaled_mm(a8, a_s, w8, w_s.reshape(-1), torch.bfloat16),
+                       fp8_gemm.reference(a8, a_s, w8, w_s.reshape(-1), torch.bfloat16))
+
+
 def test_attention_tiles_read_back_from_their_spec():
     """The op carries its tiles as text: every field survives the round trip, and specs
     written before the optional fields existed still read."""

@@ -314,6 +314,27 @@ def test_step_with_the_triton_gemm_planned_matches_cublaslt():
     assert rel_err(planned, run(cfg, DEV)).max() < 2e-2
 
 
+@pytest.mark.parametrize("M,N,K", [(757, 7680, 12800), (37, 304, 96)])
+def test_quack_fp8_gemm_matches_cublaslt_fast_accumulation(M, N, K):
+    """The CuTe DSL GEMM (plugins/quack_gemm.py; skipped where quack-kernels is not
+    installed) with the rowwise scales in its epilogue: the error against exact sums equals
+    cuBLASLt's with fast accumulation (measured: equal to five digits at both projections)."""
+    pytest.importorskip("quack")
+    from charengine.plugins import quack_gemm
+
+    g = torch.Generator(device=DEV).manual_seed(N)
+    aq, a_s = fp8.quantize_rows(torch.randn(M, K, device=DEV, generator=g))
+    wq, ws = fp8.quantize_rows(torch.randn(N, K, device=DEV, generator=g))
+    ws = ws[:, 0].contiguous()
+    exact = (aq.float() @ wq.float().t()) * a_s * ws[None, :]
+    lt = float(rel_err(exact[None], fp8.scaled_mm(aq, a_s, wq, ws, torch.float32, True)[None])[0])
+    for spec in ("128,256,2,1,0", "128,192,2,1,1"):
+        out = quack_gemm.quack_scaled_mm(aq, a_s, wq, ws, torch.float32, True,
+                                         quack_gemm.QuackTiles.parse(spec))
+        assert not out.isnan().any()
+        assert float(rel_err(exact[None], out[None])[0]) <= 1.1 * lt + 1e-6
+
+
 def test_the_gemm_timing_covers_both_choices():
     g = torch.Generator(device=DEV).manual_seed(0)
     weights = [(fp8_tensor((512, 1024), g), torch.rand(512, device=DEV, generator=g) + 0.5)
