@@ -56,24 +56,21 @@ def triton_act_quant(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, 
     return q, s
 
 
-def triton_norm_modulate_quant(h, shift, scale, eps, warps: int | None = None,
-                               regs: int | None = None):
+def triton_norm_modulate_quant(h, shift, scale, eps, warps: int | None = None):
     """The kernel; arguments and result as `norm_modulate_reference`. One program per token
     holds its whole row in registers; `warps` default: one per 1,024 lanes, at most 8 (at
     d = 7,680, 8 warps: 10.1 us against 10.5 at 16, and 14.2 against 15.9 with the residual;
     scripts/bench_kernels.py --only act)."""
-    return _norm_modulate(h, None, None, shift, scale, eps, warps, regs)[:2]
+    return _norm_modulate(h, None, None, shift, scale, eps, warps)[:2]
 
 
-def triton_residual_norm_modulate_quant(h, o, gate, shift, scale, eps, warps: int | None = None,
-                                        regs: int | None = None):
+def triton_residual_norm_modulate_quant(h, o, gate, shift, scale, eps, warps: int | None = None):
     """The kernel with the residual add in front; arguments and result as
     `residual_norm_modulate_reference`."""
-    return _norm_modulate(h, o, gate, shift, scale, eps, warps, regs)
+    return _norm_modulate(h, o, gate, shift, scale, eps, warps)
 
 
-def _norm_modulate(h, o, gate, shift, scale, eps, warps, regs):
-    """`regs`: the register cap per thread (Triton's maxnreg), None: the compiler's choice."""
+def _norm_modulate(h, o, gate, shift, scale, eps, warps):
     import triton
 
     if h.stride(-1) != 1:
@@ -93,8 +90,7 @@ def _norm_modulate(h, o, gate, shift, scale, eps, warps, regs):
     norm_modulate_quant_kernel[(T,)](h, shift.contiguous(), scale.contiguous(), q, s, o, gate,
                                      h_out, d, eps, h.stride(0), q.stride(0), o.stride(0),
                                      h_out.stride(0), BLOCK=block, RESIDUAL=residual,
-                                     num_warps=warps or max(1, min(8, block // 1024)),
-                                     maxnreg=regs)
+                                     num_warps=warps or max(1, min(8, block // 1024)))
     return q, s, h_out
 
 
@@ -129,7 +125,7 @@ def pow2_split(n: int) -> tuple[int, int]:
     return hi, (1 << (rest - 1).bit_length()) if rest else 0
 
 
-def triton_swiglu_quant_row(attn, gate, up, warps: int = 16, regs: int | None = None):
+def triton_swiglu_quant_row(attn, gate, up, warps: int = 16):
     """The one-pass kernel (the row in registers, every input read once); arguments and
     result as `swiglu_reference`. 16 warps: 16.3 against 17.1 us at 8 at the rank slice
     (sessions 5 and 7, scripts/bench_kernels.py --only act)."""
@@ -139,7 +135,7 @@ def triton_swiglu_quant_row(attn, gate, up, warps: int = 16, regs: int | None = 
     (a_hi, a_lo), (m_hi, m_lo) = pow2_split(A), pow2_split(M)
     swiglu_quant_row_kernel[(T,)](attn, gate, up, q, s, A, M, attn.stride(0), gate.stride(0),
                                   up.stride(0), q.stride(0), A_HI=a_hi, A_LO=a_lo, M_HI=m_hi,
-                                  M_LO=m_lo, num_warps=warps, maxnreg=regs)
+                                  M_LO=m_lo, num_warps=warps)
     return q, s
 
 

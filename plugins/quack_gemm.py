@@ -3,10 +3,11 @@ warp-specialized CuTe DSL GEMM for Hopper, the scales applied in its epilogue
 (plugins/kernels/quack_epilogues.py). The CUTLASS DSL candidate of the per-shape GEMM choice
 (`fp8_gemm.op("quack:<tiles>")`); on CPU tensors it is the reference.
 
-Session 7 (one H200, scratch measurement, docs/PERFORMANCE.md): with fast accumulation,
-101.9 against cuBLASLt's 114.2 us at the output projection and 218.4 against 251.7 at the
-input projection. Its promoted-sum path runs 5-20x slower, so it serves fast accumulation
-only. quack and nvidia-cutlass-dsl are not on the GPU machine: they travel as wheels
+Session 7 (one H200, `scripts/bench_kernels.py --only gemm --gemm-libs scaled_mm,quack`,
+docs/PERFORMANCE.md): with fast accumulation, 105.7 us at the output projection against
+117.9 / 127.4 for `_scaled_mm` promoted / fast, and 228.0 against 242.8 / 235.9 at the
+input projection; the TP-3 step 117.9 against 121.9 ms. Its promoted-sum path runs 5-20x
+slower, so it serves fast accumulation only. quack and nvidia-cutlass-dsl are not on the GPU machine: they travel as wheels
 (../shared/tools/carry-cutlass-dsl.sh) and compile each tile configuration at first use
 (2-5 s).
 """
