@@ -314,11 +314,12 @@ def test_step_with_the_triton_gemm_planned_matches_cublaslt():
     assert rel_err(planned, run(cfg, DEV)).max() < 2e-2
 
 
-@pytest.mark.parametrize("M,N,K", [(757, 7680, 12800), (37, 304, 96)])
+@pytest.mark.parametrize("M,N,K", [(757, 7680, 12800), (100, 304, 256)])
 def test_quack_fp8_gemm_matches_cublaslt_fast_accumulation(M, N, K):
     """The CuTe DSL GEMM (plugins/quack_gemm.py; skipped where quack-kernels is not
-    installed) with the rowwise scales in its epilogue: the error against exact sums equals
-    cuBLASLt's with fast accumulation (measured: equal to five digits at both projections)."""
+    installed) with the rowwise scales in its epilogue: in bf16 outputs its error against
+    exact sums equals cuBLASLt's with fast accumulation (measured by bench_kernels: equal to
+    five digits at both projections)."""
     pytest.importorskip("quack")
     from charengine.plugins import quack_gemm
 
@@ -327,12 +328,12 @@ def test_quack_fp8_gemm_matches_cublaslt_fast_accumulation(M, N, K):
     wq, ws = fp8.quantize_rows(torch.randn(N, K, device=DEV, generator=g))
     ws = ws[:, 0].contiguous()
     exact = (aq.float() @ wq.float().t()) * a_s * ws[None, :]
-    lt = float(rel_err(exact[None], fp8.scaled_mm(aq, a_s, wq, ws, torch.float32, True)[None])[0])
+    lt = float(rel_err(exact[None], fp8.scaled_mm(aq, a_s, wq, ws, torch.bfloat16, True)[None])[0])
     for spec in ("128,256,2,1,0", "128,192,2,1,1"):
-        out = quack_gemm.quack_scaled_mm(aq, a_s, wq, ws, torch.float32, True,
+        out = quack_gemm.quack_scaled_mm(aq, a_s, wq, ws, torch.bfloat16, True,
                                          quack_gemm.QuackTiles.parse(spec))
         assert not out.isnan().any()
-        assert float(rel_err(exact[None], out[None])[0]) <= 1.1 * lt + 1e-6
+        assert float(rel_err(exact[None], out[None])[0]) <= 1.05 * lt + 1e-6
 
 
 def test_the_gemm_timing_covers_both_choices():
