@@ -7,9 +7,9 @@ Session 7 (one H200, `scripts/bench_kernels.py --only gemm --gemm-libs scaled_mm
 docs/PERFORMANCE.md): with fast accumulation, 105.7 us at the output projection against
 117.9 / 127.4 for `_scaled_mm` promoted / fast, and 228.0 against 242.8 / 235.9 at the
 input projection; the TP-3 step 117.9 against 121.9 ms. Its promoted-sum path runs 5-20x
-slower, so it serves fast accumulation only. quack and nvidia-cutlass-dsl are not on the GPU machine: they travel as wheels
-(../shared/tools/carry-cutlass-dsl.sh) and compile each tile configuration at first use
-(2-5 s).
+slower, so it serves fast accumulation only. quack and nvidia-cutlass-dsl are not on the GPU
+machine: they travel as wheels (docs/PERFORMANCE.md lists them; the shared carry script
+stops at flash-attn-4) and compile each tile configuration at first use (2-5 s).
 """
 
 from __future__ import annotations
