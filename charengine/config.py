@@ -234,6 +234,13 @@ class Switches:
     # moved 0.9 ms from activation quantization into the GEMMs and left the TP-3 step where
     # it was (docs/PERFORMANCE.md, session 7). Not a waterfall arm.
     gemm_residual: bool = False
+    # SwiGLU in the input projection's epilogue, with each row's |max| (QuACK; the projection
+    # split into a q/k/v GEMM and a (gate, up)-paired one), the FP8 attention kernel giving
+    # its rows' |max| too, and the output projection's input quantized with no row reduction
+    # (plugins/quack_gemm.py, plugins/act_quant.concat_quant_reference). Needs quack-kernels
+    # on a GPU (not on the GPU machine: docs/PERFORMANCE.md, session 8); the plain path is
+    # the references, on any device. Not a waterfall arm.
+    gemm_swiglu: bool = False
 
     # Figure 2's order; the FP8 attention kernel and the fused delta rotation (the paper's
     # baseline already had FP8 attention, and it does not break out the reset) come last

@@ -2,11 +2,13 @@
 SwiGLU; the forward over a new frame (writing and reading the KV caches) and over the session's
 global tokens.
 
-Block: xm = LN(h) * (1 + scale) + shift; [q k v gate up] = W_in xm (FP8, column-parallel);
-attention over the cache; o = W_out [attn, silu(gate) * up] (FP8, row-parallel), all-reduced;
-h += gate_ada * o (with gemm_residual, in the output projection's epilogue, the gate folded
-into its weight scale; else with fused_residual, inside the next block's first kernel). Shift,
-scale and gate come from the pass's timestep alone.
+Block: xm = LN(h) * (1 + scale) + shift; [q k v gate up] = W_in xm (FP8, column-parallel;
+with gemm_swiglu, silu(gate) * up in the GEMM's epilogue, W_in's gate and up rows stored as
+pairs); attention over the cache; o = W_out [attn,
+silu(gate) * up] (FP8, row-parallel), all-reduced; h += gate_ada * o (with gemm_residual, in
+the output projection's epilogue, the gate folded into its weight scale; else with
+fused_residual, inside the next block's first kernel). Shift, scale and gate come from the
+pass's timestep alone.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ class CharacterDiT(torch.nn.Module):
         it the GEMM is followed by `all_reduce`. `gemm_plan`: the engine's per-shape GEMM
         choice for each block linear ("w_in", "w_out") at M = tokens per frame."""
         super().__init__()
-        from .plugins import act_quant, attention, fp8_gemm, gemm_residual, pre_attention
+        from .plugins import act_quant, attention, fp8_gemm, gemm_residual, pre_attention, \
+            quack_gemm
 
         spec = self.spec = cfg.model
         self.cfg, self.rank = cfg, rank
@@ -122,21 +125,39 @@ class CharacterDiT(torch.nn.Module):
         # (per the plan) is followed by the all-reduce, plugins/gemm_allreduce.reference
         self.gemm_allreduce = fused_gemm_allreduce if sw.fused_gemm_allreduce else None
         self.act = act_quant.select() if sw.fused_act_quant else act_quant.plain()
-        self.fp8_attention = attention.select(spec.head_dim, attention_tiles) \
+        # SwiGLU in the input projection's epilogue (its gate and up rows as pairs), the
+        # attention kernel giving its rows' maxima
+        self.gemm_swiglu = None
+        if sw.gemm_swiglu and cfg.numerics.fp8_gemm:
+            self.gemm_swiglu = quack_gemm.select_swiglu(device, (gemm_plan or {}).get("w_in"))
+            self.pair_gate_up_rows(quack_gemm.interleave_gate_up)
+        select_attention = attention.select_amax if self.gemm_swiglu is not None \
+            else attention.select
+        self.fp8_attention = select_attention(spec.head_dim, attention_tiles) \
             if sw.fp8_attention_kernel and sw.fp8_kv else None
-        self.planned_gemm = {kind: fp8_gemm.op(c) for kind, c in (gemm_plan or {}).items()}
+        self.planned_gemm = {kind: fp8_gemm.op(c) for kind, c in (gemm_plan or {}).items()
+                             if kind in cfg.numerics.LINEARS}
         # the residual add in the output projection's epilogue: where the GEMMs take FP8
-        # activations, the gate is a baked constant per (block, pass) and the output
-        # projection runs cuBLASLt (the planned default); scales [blocks, passes, N] fp32
+        # activations, the gate is a baked constant per (block, pass) and the planned GEMM
+        # has such an epilogue (cuBLASLt, QuACK); scales [blocks, passes, N] fp32
         self.gemm_residual = None
-        if sw.gemm_residual and cfg.numerics.fp8_gemm and sw.baked_adaln \
-                and (gemm_plan or {}).get("w_out", "scaled_mm") == "scaled_mm":
-            self.gemm_residual = gemm_residual.select(device)
+        if sw.gemm_residual and cfg.numerics.fp8_gemm and sw.baked_adaln:
+            self.gemm_residual = gemm_residual.select(device, (gemm_plan or {}).get("w_out"))
+        if self.gemm_residual is not None:
             gates = self.adaln_table[:, :, 2].float()  # [passes, blocks, d], rounded as baked
             self.register_buffer("gated_scale", torch.stack([
                 self.w[f"blocks.{b}.w_out.scale"].float()[None, :] * gates[:, b]
                 for b in range(spec.n_blocks)]), persistent=False)
         self.annotate = False  # label regions for torch.profiler (benchmarks set it)
+
+    def pair_gate_up_rows(self, interleave):
+        """w_in's gate and up rows (and their scales), past the 3A q/k/v rows, as
+        `interleave` pairs them, one block at a time."""
+        for b in range(self.spec.n_blocks):
+            for part in ("q", "scale"):
+                name = f"blocks.{b}.w_in.{part}"
+                w = self.w[name]
+                w[3 * self.A:] = interleave(w[3 * self.A:])
 
     def scope(self, name: str):
         """A profiler label (paper Table 2's components) when annotating, else nothing."""
@@ -208,7 +229,8 @@ class CharacterDiT(torch.nn.Module):
     def qkv_mlp(self, b: int, h: torch.Tensor, mod: torch.Tensor, residual=None):
         """The pending gated residual (o, gate) of the previous block (fused_residual), norm,
         modulation and the input projection: h, then q, k, v [H, T, D] (strided views of the
-        projection's output) and the SwiGLU gate and up [T, mlp]."""
+        projection's output) and the MLP's part: the SwiGLU (gate, up) [T, mlp] each, or with
+        gemm_swiglu (silu(gate) * up [T, mlp], its rows' |max| partials [T, P])."""
         shift, scale, _ = mod
         eps = self.spec.norm_eps
         if residual is not None and not self.fuses_residual:
@@ -219,13 +241,23 @@ class CharacterDiT(torch.nn.Module):
                     aq, a_s = self.act.norm_modulate(h, shift, scale, eps)
                 else:
                     aq, a_s, h = self.act.residual_norm_modulate(h, *residual, shift, scale, eps)
-            y = self.fp8_gemm(aq, a_s, f"blocks.{b}.w_in")
+            if self.gemm_swiglu is not None:
+                with self.scope("fp8_gemm"):
+                    y, *mlp = self.gemm_swiglu(
+                        aq, a_s, self.w[f"blocks.{b}.w_in.q"], self.w[f"blocks.{b}.w_in.scale"],
+                        self.dtype, self.cfg.numerics.fast_accum_for("w_in"), 3 * self.A)
+            else:
+                y = self.fp8_gemm(aq, a_s, f"blocks.{b}.w_in")
         else:
             xm = F.layer_norm(h, (self.spec.dim,), eps=eps) * (1 + scale) + shift
             y = self.fp8_linear(xm, f"blocks.{b}.w_in")
         T, H, D = h.shape[0], self.rank.heads, self.spec.head_dim
-        q, k, v, g, u = y.split([self.A, self.A, self.A, self.rank.mlp, self.rank.mlp], dim=-1)
-        return (h, *(t.reshape(T, H, D).transpose(0, 1) for t in (q, k, v)), g, u)
+        if self.gemm_swiglu is not None:
+            q, k, v = y.split([self.A, self.A, self.A], dim=-1)
+        else:
+            q, k, v, g, u = y.split([self.A, self.A, self.A, self.rank.mlp, self.rank.mlp], -1)
+            mlp = (g, u)
+        return (h, *(t.reshape(T, H, D).transpose(0, 1) for t in (q, k, v)), mlp)
 
     @property
     def fuses_residual(self) -> bool:
@@ -256,21 +288,31 @@ class CharacterDiT(torch.nn.Module):
                                                attn_mask=None if mask is None else mask[None, :])[0]
             return o.transpose(0, 1).reshape(q.shape[1], self.A)
 
-    def attend_fp8(self, bp: int, q8: torch.Tensor, q_scale: torch.Tensor,
-                   cache: KVCache) -> torch.Tensor:
+    def attend_fp8(self, bp: int, q8: torch.Tensor, q_scale: torch.Tensor, cache: KVCache):
         """The FP8 attention kernel over cache bp as it lies; queries quantized per (head,
-        token)."""
+        token). Returns the output [T, A] and, with gemm_swiglu, its (token, head) maxima
+        [T, H] (else None)."""
         with self.scope("attention"):
-            return self.fp8_attention(q8, q_scale, cache.k8[bp], cache.v8[bp], cache.scale[bp, 0],
-                                      cache.scale[bp, 1], self.dtype)
+            out = self.fp8_attention(q8, q_scale, cache.k8[bp], cache.v8[bp], cache.scale[bp, 0],
+                                     cache.scale[bp, 1], self.dtype)
+        return out if self.gemm_swiglu is not None else (out, None)
 
-    def finish_block_residual(self, b: int, p: int, attn, gate, up, h) -> torch.Tensor:
+    def quantize_out_input(self, attn, mlp, attn_amax=None):
+        """The output projection's FP8 input [attn, silu(gate) * up] with its scales: SwiGLU
+        and quantization from (gate, up), or with gemm_swiglu the concatenation quantized with
+        the maxima given (attn's, when None, its own)."""
+        with self.scope("act_quant"):
+            if self.gemm_swiglu is not None:
+                y, y_amax = mlp
+                return self.act.concat_quant(attn, attn_amax, y, y_amax)
+            return self.act.swiglu(attn, *mlp)
+
+    def finish_block_residual(self, b: int, p: int, attn, mlp, h, attn_amax=None):
         """SwiGLU and the output projection with the gated residual in its epilogue: the new
         h = h + gate * o (gemm_residual). Under TP, h is added once to the sum: by rank 0
         before the all-reduce, or inside the fused exchange's reduction on every rank."""
         name = f"blocks.{b}.w_out"
-        with self.scope("act_quant"):
-            aq, a_s = self.act.swiglu(attn, gate, up)
+        aq, a_s = self.quantize_out_input(attn, mlp, attn_amax)
         wq, ws = self.w[f"{name}.q"], self.gated_scale[b, p]
         fast = self.cfg.numerics.fast_accum_for("w_out")
         with self.scope("fp8_gemm"):
@@ -280,14 +322,14 @@ class CharacterDiT(torch.nn.Module):
             out = self.gemm_residual(aq, a_s, wq, ws, h if adds_h else None, self.dtype, fast)
         return self.reduced(out, self.all_reduce)
 
-    def finish_block(self, b: int, attn, gate, up) -> torch.Tensor:
+    def finish_block(self, b: int, attn, mlp, attn_amax=None) -> torch.Tensor:
         """SwiGLU and the output projection (all-reduced): the block's o, before its gated
-        residual."""
+        residual. `mlp` as qkv_mlp gives it."""
         name = f"blocks.{b}.w_out"
         if self.cfg.numerics.fp8_gemm:
-            with self.scope("act_quant"):
-                aq, a_s = self.act.swiglu(attn, gate, up)
+            aq, a_s = self.quantize_out_input(attn, mlp, attn_amax)
             return self.fp8_gemm(aq, a_s, name, self.all_reduce)
+        gate, up = mlp
         return self.fp8_linear(torch.cat([attn, F.silu(gate) * up], dim=-1), name,
                                self.all_reduce)
 
@@ -299,13 +341,14 @@ class CharacterDiT(torch.nn.Module):
         `slots` slots) while the window fills; neither in the steady state."""
         bp = b * self.cfg.schedule.passes + p
         mod = self.modulation(b, p, cond)
-        h, q, k, v, g, u = self.qkv_mlp(b, h, mod, residual)
+        h, q, k, v, mlp = self.qkv_mlp(b, h, mod, residual)
         fp8_attention = self.fp8_attention is not None and cache.quantized and mask is None \
             and slots is None
         with self.scope("pre_attention"):
             q = self.pre_attention_write(b, bp, q, k, v, cond, cache, fp8_attention)
+        o_amax = None
         if fp8_attention:
-            o = self.attend_fp8(bp, *q, cache)
+            o, o_amax = self.attend_fp8(bp, *q, cache)
         else:
             with self.scope("cache_upkeep"):
                 kc, vc = cache.read(bp, cond.key_cos_sin)
@@ -313,8 +356,8 @@ class CharacterDiT(torch.nn.Module):
                     kc, vc = kc[:, :slots], vc[:, :slots]
             o = self.attend(q, kc, vc, mask)
         if self.gemm_residual is not None:
-            return self.finish_block_residual(b, p, o, g, u, h), None
-        return h, (self.finish_block(b, o, g, u), mod[2])
+            return self.finish_block_residual(b, p, o, mlp, h, o_amax), None
+        return h, (self.finish_block(b, o, mlp, o_amax), mod[2])
 
     def pre_attention_write(self, b: int, bp: int, q, k, v, cond: StepConditioning,
                             cache: KVCache, quantize_q: bool = False):
@@ -363,11 +406,11 @@ class CharacterDiT(torch.nn.Module):
             h = h0
             for b in range(self.spec.n_blocks):
                 mod = self.modulation(b, p, cond)
-                h, q, k, v, g, u = self.qkv_mlp(b, h, mod)
+                h, q, k, v, mlp = self.qkv_mlp(b, h, mod)
                 q, k = self.norm_qk(b, q, k)
                 q, kr = rotate(q, cos, sin), rotate(k, cos, sin)
                 cache.write_global(b * self.cfg.schedule.passes + p,
                                    kr if self.cfg.switches.rope_at_write else k, v)
                 o = F.scaled_dot_product_attention(q[None], kr[None], v[None])[0]
-                o = self.finish_block(b, o.transpose(0, 1).reshape(h.shape[0], self.A), g, u)
+                o = self.finish_block(b, o.transpose(0, 1).reshape(h.shape[0], self.A), mlp)
                 h = self.add_residual(h, (o, mod[2]))

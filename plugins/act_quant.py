@@ -43,6 +43,20 @@ def swiglu_reference(attn: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     return fp8.quantize_rows(torch.cat([attn, F.silu(gate) * up], dim=-1))
 
 
+def concat_quant_reference(attn: torch.Tensor, attn_amax: torch.Tensor | None, y: torch.Tensor,
+                           y_amax: torch.Tensor):
+    """[attn, y] quantized per token with the scale the given maxima make: y_amax [T, P]
+    partial maxima of |y| before its rounding (plugins/quack_gemm.quack_swiglu_mm), rounded
+    to y's dtype; attn_amax [T, P'] partial maxima of |attn| (plugins/attention's amax op),
+    or None to take attn's own. With true maxima, the bytes of `swiglu_reference`'s
+    quantization of [attn, y]. attn [T, A], y [T, F]."""
+    a = attn.float().abs().amax(dim=1, keepdim=True) if attn_amax is None \
+        else attn_amax.float().amax(dim=1, keepdim=True)
+    amax = torch.maximum(a, y_amax.amax(dim=1, keepdim=True).to(y.dtype).float())
+    scale = amax.clamp_min(fp8._TINY) / fp8.FP8_MAX
+    return fp8.quantize(torch.cat([attn, y], dim=-1), scale), scale
+
+
 def triton_act_quant(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (row-major) -> (q [M, K] e4m3, scale [M, 1] fp32)."""
     if x.stride(-1) != 1:
@@ -139,6 +153,34 @@ def triton_swiglu_quant_row(attn, gate, up, warps: int = 16):
     return q, s
 
 
+def triton_concat_quant(attn, attn_amax, y, y_amax, chunk: int = 2048, warps: int = 2):
+    """The kernel; arguments and result as `concat_quant_reference` (attn_amax may be any
+    strided [T, P] view: the attention kernel's is [heads, T] transposed). A program per
+    (token, chunk of `chunk` columns): the maxima come in, so no program waits on a row
+    reduction (2,048 columns, 2 warps: 9.7 us at the TP-3 rank slice, against 16.4 for
+    SwiGLU + quantization from the input projection's gate and up; 11.0-11.2 without
+    attn_amax; scripts/bench_kernels.py --only epilogues)."""
+    import triton
+
+    T, A = attn.shape
+    F = y.shape[1]
+    for name, t in (("attn", attn), ("y", y), ("y_amax", y_amax)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs contiguous rows")
+    q = torch.empty((T, A + F), dtype=fp8.FP8, device=y.device)
+    s = torch.empty((T, 1), dtype=torch.float32, device=y.device)
+    has_am = attn_amax is not None
+    am = attn_amax if has_am else y_amax  # unused pointer without it
+    from .kernels.act_quant import concat_quant_kernel
+
+    concat_quant_kernel[(T, triton.cdiv(A + F, chunk))](
+        attn, am, y, y_amax, q, s, A, F, am.shape[1], y_amax.shape[1], attn.stride(0),
+        am.stride(0), am.stride(1), y.stride(0), y_amax.stride(0), q.stride(0), BLOCK=chunk,
+        A_BLOCK=triton.next_power_of_2(A), PA_BLOCK=triton.next_power_of_2(am.shape[1]),
+        PY_BLOCK=triton.next_power_of_2(y_amax.shape[1]), ATTN_AMAX=has_am, num_warps=warps)
+    return q, s
+
+
 # The SwiGLU kernel the op runs: the one-pass kernel, 17.4 against 26.1 us for the two-pass
 # one at the rank slice (scripts/bench_kernels.py, docs/PERFORMANCE.md).
 triton_swiglu = triton_swiglu_quant_row
@@ -152,6 +194,7 @@ class ActQuantOps:
     norm_modulate: object
     residual_norm_modulate: object
     swiglu: object
+    concat_quant: object
 
 
 def select() -> ActQuantOps:
@@ -161,10 +204,11 @@ def select() -> ActQuantOps:
 
     ops = torch.ops.charengine
     return ActQuantOps(ops.act_quant.default, ops.norm_modulate_quant.default,
-                       ops.residual_norm_modulate_quant.default, ops.swiglu_quant.default)
+                       ops.residual_norm_modulate_quant.default, ops.swiglu_quant.default,
+                       ops.concat_quant.default)
 
 
 def plain() -> ActQuantOps:
     """The references, used where fused_act_quant is off."""
     return ActQuantOps(reference, norm_modulate_reference, residual_norm_modulate_reference,
-                       swiglu_reference)
+                       swiglu_reference, concat_quant_reference)

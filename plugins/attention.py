@@ -37,6 +37,14 @@ def reference(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor, v8: tor
     return o.transpose(0, 1).reshape(q.shape[1], -1)
 
 
+def reference_amax(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype):
+    """`reference` and each (token, head)'s max |output| [T, H] fp32, for the quantization of
+    the output projection's input (plugins/act_quant.concat_quant_reference)."""
+    o = reference(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype)
+    H, T, D = q8.shape
+    return o, o.float().abs().reshape(T, H, D).amax(dim=-1)
+
+
 @dataclass(frozen=True)
 class AttentionTiles:
     """Tile sizes and variant; the default is the fastest measured on the H200 at the
@@ -67,10 +75,12 @@ class AttentionTiles:
 
 
 def triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
-                     tiles: AttentionTiles = AttentionTiles(), out=None) -> torch.Tensor:
+                     tiles: AttentionTiles = AttentionTiles(), out=None,
+                     amax: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel; arguments as `reference`. k8 and v8 may be any strided [H, S, D] views
     (a V stored transposed, [H, D, S] in memory, is read as it lies). `out` [T, H * D], if
-    given, receives the result."""
+    given, receives the result; `amax` [H, T] fp32, if given, each (head, token)'s max |out|
+    (`reference_amax`'s, transposed)."""
     H, T, D = q8.shape
     S = k8.shape[1]
     if q8.stride(-1) != 1 or k8.stride(-1) != 1:
@@ -79,24 +89,27 @@ def triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
         raise ValueError(f"q_scale must be contiguous [H, T, 1] = [{H}, {T}, 1]")
     if out is None:
         out = torch.empty((T, H * D), dtype=out_dtype, device=q8.device)
+    if amax is not None and (amax.shape != (H, T) or not amax.is_contiguous()):
+        raise ValueError(f"amax must be contiguous [H, T] = [{H}, {T}]")
     grid = ((T + tiles.block_m - 1) // tiles.block_m, H)
     ks, vs = k_scale.reshape(H).float(), v_scale.reshape(H).float()
     sm_scale_log2 = math.log2(math.e) / math.sqrt(D)
     if tiles.tma:
-        return _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles, grid)
+        return _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, amax, tiles,
+                              grid)
     from .kernels.attention import attention_kernel
 
     attention_kernel[grid](
-        q8, q_scale, k8, v8, ks, vs, out, T, S,
+        q8, q_scale, k8, v8, ks, vs, out, out if amax is None else amax, T, S,
         sm_scale_log2, q8.stride(0), q8.stride(1), k8.stride(0), k8.stride(1),
         v8.stride(0), v8.stride(1), v8.stride(2), out.stride(0), D=D, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, P_FP8=tiles.p_fp8, P_SCALE=P_SCALE,
-        LOG2_P_SCALE=LOG2_P_SCALE, FMA=tiles.fma, num_warps=tiles.warps,
-        num_stages=tiles.stages)
+        LOG2_P_SCALE=LOG2_P_SCALE, FMA=tiles.fma, AMAX=amax is not None,
+        num_warps=tiles.warps, num_stages=tiles.stages)
     return out
 
 
-def _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles, grid):
+def _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, amax, tiles, grid):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from .kernels.attention import attention_tma_kernel
@@ -110,9 +123,10 @@ def _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles, grid)
         TensorDescriptor(q8, list(q8.shape), list(q8.stride()), [1, bm, D]), q_scale,
         TensorDescriptor(k8, list(k8.shape), list(k8.stride()), [1, bn, D]),
         TensorDescriptor(vd, list(vd.shape), list(vd.stride()), [1, D, bn] if v_t else [1, bn, D]),
-        ks, vs, out, T, S, sm_scale_log2, out.stride(0), D=D, BLOCK_M=bm, BLOCK_N=bn,
-        P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE, LOG2_P_SCALE=LOG2_P_SCALE,
-        FMA=tiles.fma, num_warps=tiles.warps, num_stages=tiles.stages)
+        ks, vs, out, out if amax is None else amax, T, S, sm_scale_log2, out.stride(0), D=D,
+        BLOCK_M=bm, BLOCK_N=bn, P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE,
+        LOG2_P_SCALE=LOG2_P_SCALE, FMA=tiles.fma, AMAX=amax is not None,
+        num_warps=tiles.warps, num_stages=tiles.stages)
     return out
 
 
@@ -128,6 +142,20 @@ def select(head_dim: int, tiles: AttentionTiles | None = None):
     if not supports(head_dim):
         return reference
     return functools.partial(_op, tiles=(tiles or AttentionTiles()).spec())
+
+
+def select_amax(head_dim: int, tiles: AttentionTiles | None = None):
+    """As `select`, for the op that also gives the output's maxima (`reference_amax`)."""
+    if not supports(head_dim):
+        return reference_amax
+    return functools.partial(_op_amax, tiles=(tiles or AttentionTiles()).spec())
+
+
+def _op_amax(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles: str):
+    from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
+
+    return torch.ops.charengine.fp8_attention_amax.default(q8, q_scale, k8, v8, k_scale,
+                                                           v_scale, out_dtype, tiles)
 
 
 def _op(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles: str):

@@ -44,6 +44,10 @@ SCHEMAS = {
                      "-> (Tensor, Tensor)",
     "fp8_attention": "(Tensor q8, Tensor q_scale, Tensor k8, Tensor v8, Tensor k_scale, "
                      "Tensor v_scale, ScalarType out_dtype, str tiles) -> Tensor",
+    "fp8_attention_amax": "(Tensor q8, Tensor q_scale, Tensor k8, Tensor v8, Tensor k_scale, "
+                          "Tensor v_scale, ScalarType out_dtype, str tiles) -> (Tensor, Tensor)",
+    "concat_quant": "(Tensor attn_out, Tensor? attn_amax, Tensor y, Tensor y_amax) "
+                    "-> (Tensor, Tensor)",
     "delta_rotation": "(Tensor(a!) k8, Tensor k_scale, int first_slot, Tensor omega_t, "
                       "float delta) -> ()",
     "fp8_gemm": "(Tensor a_q, Tensor a_scale, Tensor w_q, Tensor w_scale, ScalarType out_dtype, "
@@ -95,6 +99,24 @@ def _attention_kernel(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
                                  attn.AttentionTiles.parse(tiles))
 
 
+def _attention_amax_kernel(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
+    H, T, _ = q8.shape
+    amax = torch.empty((H, T), dtype=torch.float32, device=q8.device)
+    out = attn.triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
+                                attn.AttentionTiles.parse(tiles), amax=amax)
+    return out, amax.t()
+
+
+def _attention_amax_reference(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
+    return attn.reference_amax(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype)
+
+
+def _attention_amax_fake(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
+    H, T, D = q8.shape
+    return (q8.new_empty((T, H * D), dtype=out_dtype),
+            q8.new_empty((H, T), dtype=torch.float32).t())
+
+
 def _attention_reference(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
     return attn.reference(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype)
 
@@ -117,6 +139,10 @@ KERNELS = {
     "pre_attention": (_pre_attention(pa.reference), _pre_attention(pa.triton_pre_attention),
                       _pre_attention_fake),
     "fp8_attention": (_attention_reference, _attention_kernel, _attention_fake),
+    "fp8_attention_amax": (_attention_amax_reference, _attention_amax_kernel,
+                           _attention_amax_fake),
+    "concat_quant": (aq.concat_quant_reference, aq.triton_concat_quant,
+                     lambda a, am, y, ym: _rows_scale(a, a.shape[1] + y.shape[1])),
     "delta_rotation": (dr.reference, dr.triton_delta_rotation, lambda *args: None),
     "fp8_gemm": (_gemm_reference, _gemm_kernel,
                  lambda a_q, a_s, w_q, w_s, out_dtype, fast_accum, tiles: a_q.new_empty(

@@ -338,6 +338,143 @@ def bench_gemm(spec, shape, calls, reps, dev, libs=("scaled_mm", "triton", "quac
     return out
 
 
+SWIGLU_TILES = ("128,256,2,1,0", "128,192,2,1,1", "128,128,2,1,1", "256,128,1,2,0",
+                "128,192,1,2,1", "256,192,1,2,0", "128,160,2,1,1")
+
+
+def _timed(out, key, fn, calls, reps, check=None):
+    """out[key] = {"us": ...} plus check()'s entries; an error is reported, not fatal."""
+    try:
+        extra = check() if check is not None else {}
+        out[key] = {"us": graph_time_us(fn, calls, reps), **extra}
+    except Exception as e:
+        out[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def bench_epilogues(spec, shape, calls, reps, dev):
+    """The block with the work between the GEMMs moved into their epilogues: the input
+    projection as a q/k/v GEMM and a gate/up GEMM whose epilogue applies SwiGLU and gives
+    row maxima (QuACK), the attention kernel giving its row maxima, the concatenate-and-
+    quantize kernel that needs no row reduction, and the output projection with the residual
+    in its epilogue; each against the present block's kernels at the rank slice."""
+    T, d = spec.tokens_per_frame, spec.dim
+    A, M = shape.attn_width(spec), shape.mlp
+    g = torch.Generator(device=dev).manual_seed(6)
+    out = {}
+    bf = torch.bfloat16
+    # input projection: the present single GEMM against the split
+    a_q, a_s = fp8.quantize_rows(torch.randn(T, d, device=dev, generator=g))
+    n = 3
+    w_in = [fp8.quantize_rows(torch.randn(3 * A + 2 * M, d, device=dev, generator=g) * 0.02)
+            for _ in range(n)]
+    w_in = [(q, s[:, 0].contiguous()) for q, s in w_in]
+    w_qkv = [(q[:3 * A].contiguous(), s[:3 * A].contiguous()) for q, s in w_in]
+    w_gu = [(quack_gemm.interleave_gate_up(q[3 * A:]).contiguous(),
+             quack_gemm.interleave_gate_up(s[3 * A:]).contiguous()) for q, s in w_in]
+    _timed(out, "w_in_scaled_mm_fast", lambda i: fp8.scaled_mm(a_q, a_s, *w_in[i % n], bf, True),
+           calls, reps)
+    _timed(out, "qkv_scaled_mm_fast", lambda i: fp8.scaled_mm(a_q, a_s, *w_qkv[i % n], bf, True),
+           calls, reps)
+    if not quack_gemm.available():
+        out["quack"] = "not installed"
+    else:
+        ref_y, ref_amax = quack_gemm.swiglu_reference(a_q, a_s, *w_gu[0], bf, True)[1:]
+        w_pairs = [(torch.cat([q[:3 * A], p]), torch.cat([s_[:3 * A], ps]))
+                   for (q, s_), (p, ps) in zip(w_in, w_gu)]
+        for spec_ in QUACK_TILES:
+            t = quack_gemm.QuackTiles.parse(spec_)
+            _timed(out, f"w_in_quack_{spec_}", lambda i, t=t: quack_gemm.quack_scaled_mm(
+                a_q, a_s, *w_in[i % n], bf, True, t), calls, reps)
+            _timed(out, f"qkv_quack_{spec_}", lambda i, t=t: quack_gemm.quack_scaled_mm(
+                a_q, a_s, *w_qkv[i % n], bf, True, t), calls, reps)
+        for spec_ in SWIGLU_TILES:
+            t = quack_gemm.QuackTiles.parse(spec_)
+
+            def check(t=t, split=0):
+                w = w_pairs[0] if split else w_gu[0]
+                _, y, am = quack_gemm.quack_swiglu_mm(a_q, a_s, *w, bf, True, split, t)
+                return {"rel_err": rel(y, ref_y),
+                        "amax_max_rel": ((am.amax(1, keepdim=True) - ref_amax).abs()
+                                         / ref_amax).max().item()}
+            # the gate/up GEMM alone (after a q/k/v one), and the whole input projection
+            _timed(out, f"swiglu_quack_{spec_}", lambda i, t=t: quack_gemm.quack_swiglu_mm(
+                a_q, a_s, *w_gu[i % n], bf, True, 0, t), calls, reps, check)
+            if 3 * A % t.tile_n == 0:
+                _timed(out, f"w_in_swiglu_quack_{spec_}",
+                       lambda i, t=t: quack_gemm.quack_swiglu_mm(a_q, a_s, *w_pairs[i % n], bf,
+                                                                 True, 3 * A, t),
+                       calls, reps, lambda t=t: check(t, 3 * A))
+        # output projection with the residual in the epilogue
+        K = A + M
+        o_q, o_s = fp8.quantize_rows(torch.randn(T, K, device=dev, generator=g))
+        w_out = [fp8.quantize_rows(torch.randn(d, K, device=dev, generator=g) * 0.02)
+                 for _ in range(n)]
+        w_out = [(q, s[:, 0].contiguous()) for q, s in w_out]
+        hs = [torch.randn(T, d, device=dev, generator=g).to(bf) for _ in range(n)]
+        from charengine.plugins import gemm_residual
+
+        ref_r = gemm_residual.reference(o_q, o_s, *w_out[0], hs[0], bf, True)
+        for spec_ in ("128,192,2,1,1", "256,192,1,2,0", "128,256,2,1,0"):
+            t = quack_gemm.QuackTiles.parse(spec_)
+            _timed(out, f"w_out_quack_{spec_}", lambda i, t=t: quack_gemm.quack_scaled_mm(
+                o_q, o_s, *w_out[i % n], bf, True, t), calls, reps)
+            _timed(out, f"w_out_residual_quack_{spec_}",
+                   lambda i, t=t: quack_gemm.quack_scaled_mm_residual(
+                       o_q, o_s, *w_out[i % n], hs[i % n], bf, True, t), calls, reps,
+                   lambda t=t: {"rel_err": rel(quack_gemm.quack_scaled_mm_residual(
+                       o_q, o_s, *w_out[0], hs[0], bf, True, t), ref_r)})
+        lt = gemm_residual.select(dev)
+        _timed(out, "w_out_residual_cublaslt", lambda i: lt(o_q, o_s, *w_out[i % n], hs[i % n],
+                                                            bf, True), calls, reps)
+    # the quantization before the output projection
+    nb = 8
+    att = [torch.randn(T, A, device=dev, generator=g).to(bf) for _ in range(nb)]
+    ys = [torch.randn(T, M, device=dev, generator=g).to(bf) for _ in range(nb)]
+    gu = [torch.randn(T, 2 * M, device=dev, generator=g).to(bf) for _ in range(nb)]
+    ya = [y.float().abs().reshape(T, -1, 128).amax(-1) for y in ys]  # 128-column partials
+    aa = [a.float().abs().reshape(T, -1, spec.head_dim).amax(-1).t().contiguous().t()
+          for a in att]  # [heads, T] seen as [T, heads], as the attention kernel gives it
+    ref_q, ref_s = fp8.quantize_rows(torch.cat([att[0], ys[0]], -1))
+    _timed(out, "swiglu_row_triton_w16", lambda i: act_quant.triton_swiglu_quant_row(
+        att[i % nb], gu[i % nb][:, :M], gu[i % nb][:, M:]), calls, reps)
+    _timed(out, "act_quant_triton_concatenated", lambda i: act_quant.triton_act_quant(
+        torch.cat([att[i % nb], ys[i % nb]], -1)), calls, reps)
+    for has_am in (True, False):
+        for chunk, w in ((1024, 4), (2048, 4), (2048, 2), (4096, 4), (4096, 8), (1024, 2)):
+            def check(chunk=chunk, w=w, has_am=has_am):
+                q, s_ = act_quant.triton_concat_quant(att[0], aa[0] if has_am else None, ys[0],
+                                                      ya[0], chunk, w)
+                return {"same_bytes": bool((q.view(torch.uint8) == ref_q.view(torch.uint8)).all()),
+                        "same_scales": bool((s_ == ref_s).all())}
+            _timed(out, f"concat_quant_c{chunk}_w{w}{'_attn_amax' if has_am else ''}",
+                   lambda i, chunk=chunk, w=w, has_am=has_am: act_quant.triton_concat_quant(
+                       att[i % nb], aa[i % nb] if has_am else None, ys[i % nb], ya[i % nb],
+                       chunk, w), calls, reps, check)
+    hs = [torch.randn(T, d, device=dev, generator=g).to(bf) for _ in range(nb)]
+    shift = (torch.randn(d, device=dev, generator=g) * 0.1).to(bf)
+    scale = (torch.randn(d, device=dev, generator=g) * 0.1).to(bf)
+    _timed(out, "norm_modulate_triton", lambda i: act_quant.triton_norm_modulate_quant(
+        hs[i % nb], shift, scale, 1e-6), calls, reps)
+    # attention with and without its row maxima
+    H, D = shape.heads, spec.head_dim
+    S = spec.global_tokens + 6 * T
+    q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=dev, generator=g))
+    k8 = [fp8.quantize(torch.randn(H, S, D, device=dev, generator=g) * 2, 1.0) for _ in range(4)]
+    v8 = [fp8.quantize(torch.randn(H, D, S - S % -16, device=dev, generator=g) * 2,
+                       1.0)[..., :S].transpose(1, 2) for _ in range(4)]  # stored [H, D, S], rows padded to 16 bytes, as the cache
+    ks = torch.full((H, 1, 1), 0.01, device=dev)
+    amax = torch.empty(H, T, device=dev)
+    _timed(out, "attention", lambda i: attention.triton_attention(
+        q8, qs, k8[i % 4], v8[i % 4], ks, ks, bf), calls, reps)
+
+    def check_att():
+        o = attention.triton_attention(q8, qs, k8[0], v8[0], ks, ks, bf, amax=amax)
+        return {"amax_exact": bool((o.float().abs().reshape(T, H, D).amax(-1) == amax.t()).all())}
+    _timed(out, "attention_amax", lambda i: attention.triton_attention(
+        q8, qs, k8[i % 4], v8[i % 4], ks, ks, bf, amax=amax), calls, reps, check_att)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -366,6 +503,7 @@ def main():
             "act": lambda: bench_act(spec, shape, args.calls, args.reps, dev),
             "delta": lambda: bench_delta(spec, cfg, shape, args.reps, dev),
             "calibrate": lambda: bench_calibrate(spec, cfg, shape, args.reps, dev),
+            "epilogues": lambda: bench_epilogues(spec, shape, args.calls, args.reps, dev),
             "gemm": lambda: bench_gemm(spec, shape, args.calls, args.reps, dev,
                                        tuple(args.gemm_libs.split(","))),
         }

@@ -46,6 +46,18 @@ def test_graphed_steps_with_the_residual_in_the_gemm_epilogue_match_the_plain_ad
     assert rel_err(run(cfg, "cuda"), on).max() < 5e-3
 
 
+@pytest.mark.parametrize("plan", [None, {"w_in": "quack:128,64,2,1,0",
+                                          "w_out": "quack:128,192,2,1,1"}])
+def test_graphed_steps_with_swiglu_in_the_gemm_epilogue_match_the_plain_block(plan):
+    """gemm_swiglu (QuACK's epilogue; skipped without quack-kernels) and the residual in the
+    output projection's epilogue, captured in CUDA graphs, against the default block."""
+    pytest.importorskip("quack")
+    cfg = preset("tiny")
+    on = run(cfg.replace(switches=Switches(gemm_swiglu=True, gemm_residual=True)), "cuda",
+             GraphedStep(), sync_check=True, gemm_plan=plan)
+    assert rel_err(run(cfg, "cuda"), on).max() < 5e-3
+
+
 def test_gpu_step_matches_cpu_step():
     cfg = preset("tiny")
     assert rel_err(run(cfg, "cpu"), run(cfg, "cuda")).max() < 3e-2

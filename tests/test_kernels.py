@@ -336,6 +336,96 @@ def test_quack_fp8_gemm_matches_cublaslt_fast_accumulation(M, N, K):
         assert float(rel_err(exact[None], out[None])[0]) <= 1.05 * lt + 1e-6
 
 
+@pytest.mark.parametrize("M,S,F,K", [(757, 7680, 10240, 7680), (100, 0, 152, 256),
+                                     (100, 192, 152, 256)])
+def test_quack_swiglu_epilogue_matches_its_reference(M, S, F, K):
+    """The input projection with SwiGLU in its epilogue (QuACK, skipped without it), the
+    first S columns plain: against exact sums, its plain columns and silu(gate) * up err
+    no more than the reference's with cuBLASLt's fast accumulation; its row maxima (from
+    partials per N tile) equal the reference's to accumulation noise."""
+    pytest.importorskip("quack")
+    from charengine.plugins import quack_gemm
+
+    g = torch.Generator(device=DEV).manual_seed(F + S)
+    aq, a_s = fp8.quantize_rows(torch.randn(M, K, device=DEV, generator=g))
+    wq, ws = fp8.quantize_rows(torch.randn(S + 2 * F, K, device=DEV, generator=g) * 0.05)
+    ws = ws[:, 0].contiguous()
+    wq[S:], ws[S:] = quack_gemm.interleave_gate_up(wq[S:]), quack_gemm.interleave_gate_up(ws[S:])
+    exact = (aq.float() @ wq.float().t()) * a_s * ws[None, :]
+    exact_y = torch.nn.functional.silu(exact[:, S::2]) * exact[:, S + 1::2]
+    ref_d, ref_y, ref_amax = quack_gemm.swiglu_reference(aq, a_s, wq, ws, torch.bfloat16, True,
+                                                         S)
+    for spec in ("128,192,2,1,1", "128,64,2,1,0"):
+        torch.empty(M * (S + F) * 8, dtype=torch.uint8, device=DEV).fill_(0xFF)  # poison
+        d, y, amax = quack_gemm.quack_swiglu_mm(aq, a_s, wq, ws, torch.bfloat16, True, S,
+                                                quack_gemm.QuackTiles.parse(spec))
+        assert y.shape == (M, F) and not y.isnan().any() and not amax.isnan().any()
+        assert float(rel_err(exact_y[None], y[None])[0]) <= \
+            1.05 * float(rel_err(exact_y[None], ref_y[None])[0]) + 1e-6
+        if S:
+            assert d.shape == (M, S) and float(rel_err(exact[None, :, :S], d[None])[0]) <= \
+                1.05 * float(rel_err(exact[None, :, :S], ref_d[None])[0]) + 1e-6
+        assert ((amax.amax(1, keepdim=True) - ref_amax).abs() <= ref_amax * 1e-3).all()
+
+
+@pytest.mark.parametrize("M,N,K", [(757, 7680, 12800), (37, 304, 96)])
+def test_quack_residual_epilogue_matches_cublaslt(M, N, K):
+    """The output projection with the residual as QuACK's C input (skipped without quack):
+    its error against the exact sum plus h is that of cuBLASLt's same epilogue."""
+    pytest.importorskip("quack")
+    from charengine.plugins import quack_gemm
+
+    g = torch.Generator(device=DEV).manual_seed(N + 1)
+    aq, a_s = fp8.quantize_rows(torch.randn(M, K, device=DEV, generator=g))
+    wq, ws = fp8.quantize_rows(torch.randn(N, K, device=DEV, generator=g) * 0.05)
+    ws = ws[:, 0].contiguous()
+    h = (torch.randn(M, N, device=DEV, generator=g) * 4).to(torch.bfloat16)
+    exact = (aq.float() @ wq.float().t()) * a_s * ws[None, :] + h.float()
+    lt = gemm_residual.select(DEV)(aq, a_s, wq, ws, h, torch.bfloat16, True)
+    out = quack_gemm.quack_scaled_mm_residual(aq, a_s, wq, ws, h, torch.bfloat16, True,
+                                              quack_gemm.QuackTiles.parse("128,192,2,1,1"))
+    assert float(rel_err(exact[None], out[None])[0]) <= \
+        1.05 * float(rel_err(exact[None], lt[None])[0]) + 1e-6
+
+
+@pytest.mark.parametrize("T,A,F", [(757, 2560, 10240), (19, 48, 80), (3, 100, 37)])
+@pytest.mark.parametrize("attn_amax", [True, False])
+@pytest.mark.parametrize("chunk", [2048, 64])
+def test_concat_quant_with_given_maxima_equals_quantize_rows(T, A, F, attn_amax, chunk):
+    """Given true maxima (y's before rounding, as partials; attn's per head or none), the
+    kernel gives quantize_rows([attn, y])'s bytes and scales: no row reduction of its own."""
+    g = torch.Generator(device=DEV).manual_seed(F + A)
+    attn = torch.randn(T, A, device=DEV, generator=g).to(torch.bfloat16)
+    y32 = torch.randn(T, F, device=DEV, generator=g) * 3
+    y = y32.to(torch.bfloat16)
+    y_amax = torch.stack([c.abs().amax(1) for c in y32.split(16, dim=1)], dim=1)
+    a_amax = torch.stack([c.float().abs().amax(1) for c in attn.split(16, dim=1)]).t() \
+        if attn_amax else None  # [P, T] seen as [T, P], as the attention kernel's
+    rq, rs = fp8.quantize_rows(torch.cat([attn, y], -1))
+    torch.empty(T * (A + F) * 4, dtype=torch.uint8, device=DEV).fill_(NAN8)
+    q, s = act_quant.triton_concat_quant(attn, a_amax, y, y_amax, chunk=chunk)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    cq, cs = act_quant.concat_quant_reference(attn, a_amax, y, y_amax)
+    assert torch.equal(cs, rs) and torch.equal(cq.view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_fp8_attention_gives_the_exact_row_maxima_of_its_output(tma):
+    """With `amax`, each (token, head)'s max |output| as stored; the output unchanged."""
+    H, T, S, D = 5, 77, 300, 64
+    g = torch.Generator(device=DEV).manual_seed(3)
+    q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=DEV, generator=g))
+    k8, v8 = fp8_tensor((H, S, D), g), fp8_tensor((H, S, D), g)
+    ks = torch.full((H, 1, 1), 0.02, device=DEV)
+    tiles = attention.AttentionTiles(tma=tma)
+    plain = attention.triton_attention(q8, qs, k8, v8, ks, ks, torch.bfloat16, tiles)
+    amax = torch.full((H, T), float("nan"), device=DEV)
+    out = attention.triton_attention(q8, qs, k8, v8, ks, ks, torch.bfloat16, tiles, amax=amax)
+    assert torch.equal(out, plain)
+    assert torch.equal(amax.t(), out.float().abs().reshape(T, H, D).amax(-1))
+
+
 def test_the_gemm_timing_covers_both_choices():
     g = torch.Generator(device=DEV).manual_seed(0)
     weights = [(fp8_tensor((512, 1024), g), torch.rand(512, device=DEV, generator=g) + 0.5)

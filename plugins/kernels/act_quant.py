@@ -149,3 +149,39 @@ def swiglu_quant_row_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, s
         _quant_store(q_row + oal, a_lo, s, r, oal < A)
     if M_LO > 0:
         _quant_store(q_row + A + oml, y_lo, s, r, oml < M)
+
+
+@triton.jit
+def concat_quant_kernel(a_ptr, am_ptr, y_ptr, ym_ptr, q_ptr, s_ptr, A, F, PA, PY, stride_a,
+                        stride_am, stride_amp, stride_y, stride_ym, stride_q, BLOCK: tl.constexpr,
+                        A_BLOCK: tl.constexpr, PA_BLOCK: tl.constexpr,
+                        PY_BLOCK: tl.constexpr, ATTN_AMAX: tl.constexpr):
+    """Chunk BLOCK of token row's [attn, y], quantized with the row's scale taken from given
+    maxima: y's as partials before rounding (the SwiGLU epilogue's; rounding is monotonic, so
+    the rounded partial max is the max of the rounded values) and attn's as partials of the
+    stored values (the attention kernel's), or, without ATTN_AMAX, from attn's row itself.
+    No reduction over the whole row: every chunk is independent."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    dt = y_ptr.dtype.element_ty
+    py = tl.arange(0, PY_BLOCK)
+    ym = tl.max(tl.load(ym_ptr + row * stride_ym + py, mask=py < PY, other=0.0), 0)
+    amax = ym.to(dt).to(tl.float32)
+    if ATTN_AMAX:
+        pa = tl.arange(0, PA_BLOCK)
+        amax = tl.maximum(amax, tl.max(tl.load(am_ptr + row * stride_am + pa * stride_amp,
+                                               mask=pa < PA, other=0.0), 0))
+    else:
+        oa = tl.arange(0, A_BLOCK)
+        amax = tl.maximum(amax, tl.max(tl.abs(tl.load(a_ptr + row * stride_a + oa, mask=oa < A,
+                                                      other=0.0).to(tl.float32)), 0))
+    s = tl.maximum(amax, 1e-12) / 448.0
+    tl.store(s_ptr + row, s, mask=chunk == 0)
+    r = tl.math.div_rn(1.0, s)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    in_a = offs < A
+    xa = tl.load(a_ptr + row * stride_a + offs, mask=in_a, other=0.0)
+    xy = tl.load(y_ptr + row * stride_y + offs - A, mask=(offs >= A) & (offs < A + F),
+                 other=0.0)
+    x = tl.where(in_a, xa.to(tl.float32), xy.to(tl.float32))
+    tl.store(q_ptr + row * stride_q + offs, to_e4m3(x, s, r), mask=offs < A + F)

@@ -76,11 +76,26 @@ def _tile(acc, l_i, m_i, q, row_scale, k_ptr, v_ptr, start, S, stride_ks, stride
     return _pv(acc, p, v, P_FP8, P_SCALE, FMA), l_i, m_new
 
 @triton.jit
-def attention_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, T, S, sm_scale_log2,
-                     stride_qh, stride_qt, stride_kh, stride_ks, stride_vh, stride_vs,
-                     stride_vd, stride_ot, D: tl.constexpr, BLOCK_M: tl.constexpr,
+def _store(o_ptr, amax_ptr, out, offs_m, offs_d, h, T, stride_ot, D: tl.constexpr,
+           AMAX: tl.constexpr):
+    """The output tile of head h, rounded to the output dtype; with AMAX, each row's |max| of
+    the stored values to amax_ptr [T, heads] (the output projection's quantization scale then
+    needs no reduction over the row: plugins/act_quant.concat_quant_reference), stored
+    [heads, T] so that the tile's stores are contiguous."""
+    o = out.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + offs_m[:, None] * stride_ot + h * D + offs_d[None, :], o,
+             mask=offs_m[:, None] < T)
+    if AMAX:
+        tl.store(amax_ptr + h * T + offs_m,
+                 tl.max(tl.abs(o.to(tl.float32)), 1), mask=offs_m < T)
+
+
+@triton.jit
+def attention_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, amax_ptr, T, S,
+                     sm_scale_log2, stride_qh, stride_qt, stride_kh, stride_ks, stride_vh,
+                     stride_vs, stride_vd, stride_ot, D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, P_FP8: tl.constexpr, P_SCALE: tl.constexpr,
-                     LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr):
+                     LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr, AMAX: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -106,8 +121,7 @@ def attention_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, T, S, s
     if not FMA:  # with FMA the row sums carry P_SCALE already
         l_i = l_i * P_SCALE
     out = acc * (tl.load(vs_ptr + h) / l_i)[:, None]
-    tl.store(o_ptr + offs_m[:, None] * stride_ot + h * D + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < T)
+    _store(o_ptr, amax_ptr, out, offs_m, offs_d, h, T, stride_ot, D, AMAX)
 
 
 @triton.jit
@@ -126,11 +140,11 @@ def _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, start, S,
 
 
 @triton.jit
-def attention_tma_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, T, S,
-                         sm_scale_log2, stride_ot, D: tl.constexpr, BLOCK_M: tl.constexpr,
+def attention_tma_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, amax_ptr, T,
+                         S, sm_scale_log2, stride_ot, D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, P_FP8: tl.constexpr, V_T: tl.constexpr,
                          P_SCALE: tl.constexpr, LOG2_P_SCALE: tl.constexpr,
-                         FMA: tl.constexpr):
+                         FMA: tl.constexpr, AMAX: tl.constexpr):
     """As attention_kernel, with tiles brought in by the tensor memory accelerator through
     3-D descriptors (out-of-bounds rows read as zero, then masked); V_T: the value store is
     [H, D, S] in memory, so that P V is an FP8 dot with V K-major."""
@@ -155,5 +169,4 @@ def attention_tma_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, 
         l_i = l_i * P_SCALE
     out = acc * (tl.load(vs_ptr + h) / l_i)[:, None]
     offs_d = tl.arange(0, D)
-    tl.store(o_ptr + offs_m[:, None] * stride_ot + h * D + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < T)
+    _store(o_ptr, amax_ptr, out, offs_m, offs_d, h, T, stride_ot, D, AMAX)
