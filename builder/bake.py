@@ -19,28 +19,58 @@ import torch
 from safetensors.torch import load_file
 
 from charengine import fp8
-from charengine.config import config_from_dict
+from charengine.config import RankShape, config_from_dict
 from charengine.engine_format import ADALN, MANIFEST, TRITON_KERNELS, rank_file
 from charengine.graphs import GraphedStep
 from charengine.kernel_cache import KernelCache
-from charengine.plugins import fp8_gemm
+from charengine.plugins import fp8_gemm, gemm_residual, quack_gemm
 from charengine.rank import make_session
 from charengine.warmup import warm_up
 
 
-def gemm_plan(cfg, state: dict) -> tuple[dict, dict]:
-    """Per block linear, the faster GEMM at the steady shape over the rank's own weights:
-    (choices, microseconds of each candidate)."""
+def gemm_candidates(cfg, kind: str) -> tuple[dict, object]:
+    """The choices timed for block linear `kind` and the op each names, as the model will run
+    it: with gemm_swiglu the input projection is QuACK's SwiGLU epilogue (tiles only); with
+    gemm_residual the output projection adds the residual in its epilogue (cuBLASLt or
+    QuACK); else the plain GEMM (cuBLASLt, Triton, QuACK). QuACK where it is installed."""
+    quack = tuple(f"quack:{t}" for t in quack_gemm.CANDIDATES) if quack_gemm.available() \
+        else ()
+    sw = cfg.switches
+    if kind == "w_in" and sw.gemm_swiglu:
+        if not quack:
+            raise ValueError("gemm_swiglu needs quack-kernels on the build GPU")
+        return quack, lambda c: quack_gemm.select_swiglu("cuda", c)
+    if kind == "w_out" and sw.gemm_residual and sw.baked_adaln:
+        return ("scaled_mm",) + quack, lambda c: gemm_residual.select("cuda", c)
+    return fp8_gemm.CHOICES + quack, fp8_gemm.op
+
+
+def gemm_plan(cfg, state: dict, rank: int) -> tuple[dict, dict]:
+    """Per block linear, the fastest GEMM at the steady shape over the rank's own weights, as
+    the engine's switches run it (`gemm_candidates`): (choices, microseconds of each)."""
     spec = cfg.model
     if not cfg.numerics.fp8_gemm:
         return {}, {}
+    T, dtype = spec.tokens_per_frame, getattr(torch, cfg.numerics.dtype)
+    split = 3 * RankShape.of(spec, cfg.tp, rank).attn_width(spec)
+    h = torch.randn(T, spec.dim, device="cuda").to(dtype)
     plan, times = {}, {}
     for kind in ("w_in", "w_out"):
         weights = [(state[f"blocks.{i}.{kind}.q"], state[f"blocks.{i}.{kind}.scale"])
                    for i in range(spec.n_blocks)]
-        times[kind] = fp8_gemm.time_choices(weights, spec.tokens_per_frame,
-                                            getattr(torch, cfg.numerics.dtype),
-                                            cfg.numerics.fast_accum_for(kind))
+        choices, op = gemm_candidates(cfg, kind)
+        if kind == "w_in" and cfg.switches.gemm_swiglu:
+            def gemm_for(c, op=op):
+                f = op(c)
+                return lambda a_q, a_s, w_q, w_s, dt, fast: f(a_q, a_s, w_q, w_s, dt, fast, split)
+        elif op is not fp8_gemm.op:
+            def gemm_for(c, op=op):
+                f = op(c)
+                return lambda a_q, a_s, w_q, w_s, dt, fast: f(a_q, a_s, w_q, w_s, h, dt, fast)
+        else:
+            gemm_for = op
+        times[kind] = fp8_gemm.time_choices(weights, T, dtype, cfg.numerics.fast_accum_for(kind),
+                                            choices=choices, gemm_for=gemm_for)
         plan[kind] = fp8_gemm.choose(times[kind])
     return plan, times
 
@@ -68,10 +98,10 @@ def compile_exchange(cfg, state: dict) -> None:
 def bake(engine: Path, rank: int) -> dict:
     cfg = config_from_dict(json.loads((engine / MANIFEST).read_text())["config"])
     t0 = time.perf_counter()
-    with KernelCache(engine / TRITON_KERNELS) as cache:
+    with KernelCache(engine / TRITON_KERNELS, quack=quack_gemm.available()) as cache:
         state = load_file(str(engine / rank_file(rank)), device="cuda")
         tables = load_file(str(engine / ADALN), device="cuda")
-        plan, times = gemm_plan(cfg, state)
+        plan, times = gemm_plan(cfg, state, rank)
         session = make_session(cfg, state, rank, device="cuda", step_fn=GraphedStep(),
                                adaln_tables=(tables["adaln_table"], tables["final_table"]),
                                gemm_plan=plan)
@@ -79,7 +109,8 @@ def bake(engine: Path, rank: int) -> dict:
         compile_exchange(cfg, state)
     return {"rank": rank, "steps": steps, "seconds": round(time.perf_counter() - t0, 2),
             "gemm_plan": plan, "gemm_us": times,
-            "compiled": sorted(cache.compiled), "found": sorted(cache.loaded)}
+            "compiled": sorted(cache.compiled), "found": sorted(cache.loaded),
+            "quack_compiled": cache.quack_compiled}
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from charengine.config import RankShape, config_to_dict
-from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, SIDE, TRITON_KERNELS,
-                                      checksums, engine_files, gpu_arch, rank_file, sha256,
-                                      this_machine)
+from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, QUACK_KERNELS, SIDE,
+                                      TRITON_KERNELS, checksums, engine_files, gpu_arch,
+                                      rank_file, sha256, this_machine)
 from charengine.model import bake_adaln
 from charengine.sidenets import PREFIXES, SideNets, random_side_state
 from charengine.target import Target
@@ -57,6 +57,19 @@ def bake_kernels(engine: Path, rank: int, log) -> dict:
     log(f"rank {rank}: {len(result['compiled'])} kernels compiled in a {result['steps']}-step "
         f"warm-up ({result['seconds']:.1f} s)" + (f"; GEMM per shape: {plan}" if plan else ""))
     return result
+
+
+def uses_quack(cfg, warm) -> dict | None:
+    """Where the engine runs QuACK's GEMMs (its plan names them, or gemm_swiglu is on): the
+    quack-kernels version its objects were compiled with (charrun needs the same), else
+    None."""
+    planned = any(c.startswith("quack") for w in warm for c in w["gemm_plan"].values())
+    if not (planned or (cfg.switches.gemm_swiglu and cfg.numerics.fp8_gemm)):
+        return None
+    from importlib.metadata import version
+
+    return {"dir": QUACK_KERNELS, "version": version("quack-kernels"),
+            "cutlass_dsl": version("nvidia-cutlass-dsl")}
 
 
 def manifest_of(target: Target, cfg, ranks, source, side_source, kernels, files) -> dict:
@@ -139,7 +152,8 @@ def build(target: Target, out: Path, weights: Path | None = None, seed: int | No
         warm = {r: bake_kernels(tmp, r, log) for r in shapes.values()}
         kernels = {"compiled": True, "dir": TRITON_KERNELS,
                    "warm_up": {str(r): w for r, w in warm.items()},
-                   "gemm_plan": {str(r): warm[shapes[shape_of(r)]]["gemm_plan"] for r in ranks}}
+                   "gemm_plan": {str(r): warm[shapes[shape_of(r)]]["gemm_plan"] for r in ranks},
+                   "quack": uses_quack(cfg, warm.values())}
         try:
             kernels["shared_objects_checked"] = check_shared_objects(tmp / TRITON_KERNELS)
         except StaticLibstdcxx as e:

@@ -228,18 +228,21 @@ class Switches:
     fused_residual: bool = True  # gated residual add inside the next block's norm + quant
     fused_calibration: bool = True  # FP8 KV calibration of every cache in two kernels
     fused_gemm_allreduce: bool = True  # output projection GEMM and TP all-reduce fused
-    # The gated residual add in the output projection's epilogue (cuBLASLt's C input, the
-    # AdaLN gate folded into the weight scale per pass), taking over from fused_residual where
-    # the GEMMs are FP8, AdaLN is baked and cuBLASLt runs the output projection. Off: it
-    # moved 0.9 ms from activation quantization into the GEMMs and left the TP-3 step where
-    # it was (docs/PERFORMANCE.md, session 7). Not a waterfall arm.
+    # The gated residual add in the output projection's epilogue (the C input of cuBLASLt or
+    # QuACK, as the GEMM plan says; the AdaLN gate folded into the weight scale per pass),
+    # taking over from fused_residual where the GEMMs are FP8 and AdaLN is baked. Off: with
+    # cuBLASLt it moved 0.9 ms from activation quantization into the GEMMs and left the TP-3
+    # step where it was (docs/PERFORMANCE.md, session 7); on with gemm_swiglu in the target
+    # h100-tp3-quack. Not a waterfall arm.
     gemm_residual: bool = False
     # SwiGLU in the input projection's epilogue, with each row's |max| (QuACK; the projection
     # split into a q/k/v GEMM and a (gate, up)-paired one), the FP8 attention kernel giving
     # its rows' |max| too, and the output projection's input quantized with no row reduction
-    # (plugins/quack_gemm.py, plugins/act_quant.concat_quant_reference). Needs quack-kernels
-    # on a GPU (not on the GPU machine: docs/PERFORMANCE.md, session 8); the plain path is
-    # the references, on any device. Not a waterfall arm.
+    # (plugins/quack_gemm.py, plugins/act_quant.concat_quant_reference). With gemm_residual,
+    # activation quantization 4.50 ms and the TP-3 step 120.8 ms (docs/PERFORMANCE.md,
+    # session 8). Needs quack-kernels on a GPU, which the GPU machine lacks, so it is off but
+    # in the target h100-tp3-quack; the plain path is the references, on any device. Not a
+    # waterfall arm.
     gemm_swiglu: bool = False
 
     # Figure 2's order; the FP8 attention kernel and the fused delta rotation (the paper's

@@ -29,6 +29,7 @@ ADALN = "adaln.safetensors"
 SIDE = "side.safetensors"
 KERNELS = "kernels"
 TRITON_KERNELS = f"{KERNELS}/triton"
+QUACK_KERNELS = f"{KERNELS}/quack"  # QuACK's compiled objects (CuTe DSL GEMMs), beside Triton's
 CHUNK_BYTES = 1 << 28  # checksums per 256 MiB chunk, verified in parallel at load
 
 

@@ -1,11 +1,14 @@
 """Compiled kernels as part of an engine: Triton's kernel cache pointed at a directory, and
 a count of what gets compiled while it is active.
 
-The production step compiles nothing but the Triton kernels in plugins/ (the rest is eager
-torch ops into cuBLASLt and cuDNN, replayed from CUDA graphs). charbuild warms every code
-path up on the target GPU with Triton's cache pointed into the engine, so the engine holds
-each kernel's cubin and launcher; charrun points Triton at a copy of them, and a kernel that
-is not there is compiled and counted (`compiled`), never silently.
+The production step compiles nothing but the Triton kernels in plugins/ and, where the
+engine's GEMM plan or switches use it, QuACK's CuTe DSL GEMMs (the rest is eager torch ops
+into cuBLASLt and cuDNN, replayed from CUDA graphs). charbuild warms every code path up on
+the target GPU with both caches pointed into the engine, so the engine holds each Triton
+kernel's cubin and launcher and each QuACK kernel's object file (QuACK keys them by a
+fingerprint of its own sources, CUTLASS's and Python's versions, and the epilogue's source);
+charrun points both at a copy of them, and a kernel that is not there is compiled and
+counted (`compiled`, `quack_compiled`), never silently.
 """
 
 from __future__ import annotations
@@ -36,12 +39,20 @@ def relocate(root: Path) -> None:
         grp.write_text(json.dumps(data))
 
 
+QUACK = "quack"  # QuACK's objects: the directory beside Triton's
+
+
 class KernelCache:
     """While active, Triton reads and writes compiled kernels under `directory` and every
-    compilation (a cache miss) and load (a hit) is recorded by kernel name."""
+    compilation (a cache miss) and load (a hit) is recorded by kernel name; with `quack`,
+    QuACK's cache is the directory beside it (`QUACK`), and its new object files are its
+    compilations."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, quack: bool = False):
         self.directory = Path(directory)
+        self.quack_directory = self.directory.parent / QUACK if quack else None
+        self._quack_saved = None
+        self._quack_before: set[Path] = set()
         self.compiled: list[str] = []
         self.loaded: list[str] = []
         self._saved = None
@@ -49,27 +60,40 @@ class KernelCache:
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     @classmethod
-    def copy_of(cls, source: Path | None) -> "KernelCache":
-        """A cache over a private copy of `source` (an engine's kernels stay untouched and
-        checksummed even if something has to be compiled); empty without a source."""
+    def copy_of(cls, source: Path | None, quack: bool = False) -> "KernelCache":
+        """A cache over a private copy of `source` and, with `quack`, of QuACK's directory
+        beside it (an engine's kernels stay untouched and checksummed even if something has
+        to be compiled); empty without a source."""
         tmp = tempfile.TemporaryDirectory(prefix="charengine-kernels-")
         dst = Path(tmp.name) / "triton"
         if source is not None:
             shutil.copytree(source, dst)
             relocate(dst)
-        cache = cls(dst)
+            if quack and (Path(source).parent / QUACK).is_dir():
+                shutil.copytree(Path(source).parent / QUACK, dst.parent / QUACK)
+        cache = cls(dst, quack)
         cache._tmp = tmp
         return cache
 
     @classmethod
-    def empty(cls) -> "KernelCache":
+    def empty(cls, quack: bool = False) -> "KernelCache":
         """A fresh, empty cache: every kernel is compiled."""
-        return cls.copy_of(None)
+        return cls.copy_of(None, quack)
+
+    def _quack_objects(self) -> set[Path]:
+        return set(self.quack_directory.rglob("*.o")) if self.quack_directory else set()
+
+    @property
+    def quack_compiled(self) -> list[str]:
+        """QuACK's objects compiled since activation (fingerprint/key.o)."""
+        return sorted(str(p.relative_to(self.quack_directory))
+                      for p in self._quack_objects() - self._quack_before)
 
     @property
     def compiles(self) -> int:
-        """Kernels Triton compiled plus graphs torch.compile made since activation."""
-        return len(self.compiled) + _dynamo_graphs() - self._graphs0
+        """Kernels Triton and QuACK compiled plus graphs torch.compile made since
+        activation."""
+        return len(self.compiled) + len(self.quack_compiled) + _dynamo_graphs() - self._graphs0
 
     def _listener(self, *, src, cache_hit: bool, **_):
         fn = getattr(src, "fn", None)
@@ -86,6 +110,13 @@ class KernelCache:
         knobs.cache.dir = str(self.directory)
         knobs.compilation.listener = self._listener
         self._graphs0 = _dynamo_graphs()
+        if self.quack_directory is not None:
+            import quack.cache
+
+            self.quack_directory.mkdir(parents=True, exist_ok=True)
+            self._quack_saved = (quack.cache.CACHE_DIR,)
+            quack.cache.CACHE_DIR = str(self.quack_directory)
+            self._quack_before = self._quack_objects()
         return self
 
     def deactivate(self) -> None:
@@ -94,6 +125,11 @@ class KernelCache:
 
             knobs.cache.dir, knobs.compilation.listener = self._saved
             self._saved = None
+        if self.quack_directory is not None and self._quack_saved is not None:
+            import quack.cache
+
+            quack.cache.CACHE_DIR = self._quack_saved[0]
+            self._quack_saved = None
 
     def close(self) -> None:
         self.deactivate()

@@ -152,12 +152,15 @@ class CharacterDiT(torch.nn.Module):
 
     def pair_gate_up_rows(self, interleave):
         """w_in's gate and up rows (and their scales), past the 3A q/k/v rows, as
-        `interleave` pairs them, one block at a time."""
+        `interleave` pairs them, one block at a time (new tensors: the state given stays as
+        it was)."""
         for b in range(self.spec.n_blocks):
             for part in ("q", "scale"):
                 name = f"blocks.{b}.w_in.{part}"
-                w = self.w[name]
-                w[3 * self.A:] = interleave(w[3 * self.A:])
+                w, paired, qkv = self.w[name], torch.empty_like(self.w[name]), 3 * self.A
+                paired[:qkv], paired[qkv:] = w[:qkv], interleave(w[qkv:])
+                self.w[name] = paired
+                self.register_buffer(name.replace(".", "_"), self.w[name], persistent=False)
 
     def scope(self, name: str):
         """A profiler label (paper Table 2's components) when annotating, else nothing."""

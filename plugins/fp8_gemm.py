@@ -2,9 +2,10 @@
 or without fast accumulation, a numerics switch) or a Triton kernel with its tile sizes.
 
 charbuild times both on the target GPU at each block linear's steady-state shape (M =
-tokens per frame, the rank's own weights) and records the winner in the engine
-(manifest `kernels.gemm_plan`); the model then calls `op(choice)` at that shape and
-`_scaled_mm` at every other. scripts/bench_kernels.py sweeps the Triton kernel's tiles."""
+tokens per frame, the rank's own weights), and QuACK's CuTe DSL GEMM at `quack_gemm.CANDIDATES`
+where quack-kernels is installed, and records the winner in the engine (manifest
+`kernels.gemm_plan`); the model then calls `op(choice)` at that shape and `_scaled_mm` at
+every other. scripts/bench_kernels.py sweeps the Triton kernel's tiles."""
 
 from __future__ import annotations
 
@@ -86,8 +87,7 @@ def _triton(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum: bool = False,
 def op(choice: str | None):
     """The GEMM for a recorded choice (None: the default, `_scaled_mm`): "scaled_mm",
     "triton" (default tiles), "triton:<GemmTiles spec>", or "quack[:<QuackTiles spec>]"
-    (plugins/quack_gemm.py, where quack is installed; not yet among the builder's timed
-    CHOICES)."""
+    (plugins/quack_gemm.py, where quack is installed)."""
     if choice in (None, "scaled_mm"):
         return reference
     name, _, spec = choice.partition(":")
@@ -105,16 +105,23 @@ def op(choice: str | None):
 
 
 def time_choices(weights: list[tuple[torch.Tensor, torch.Tensor]], m: int, out_dtype,
-                 fast_accum: bool, reps: int = 5) -> dict[str, float]:
+                 fast_accum: bool, reps: int = 5, choices=CHOICES, gemm_for=None
+                 ) -> dict[str, float]:
     """Microseconds per call of each choice at [m, K] x [N, K]^T on the weights' GPU, calls
     walking over `weights` (every block's, so they stream from memory as in a step); the
-    median of `reps` passes after one warm pass."""
+    median of `reps` passes after one warm pass. `gemm_for(choice)` gives the op timed (by
+    default `op`, the plain GEMM; a builder passes the epilogue variant its switches run); a
+    choice it refuses with ValueError (tiles that do not fit the shape) is left out."""
     dev = weights[0][0].device
     g = torch.Generator(device=dev).manual_seed(0)
     a_q, a_s = fp8.quantize_rows(torch.randn(m, weights[0][0].shape[1], device=dev, generator=g))
     out = {}
-    for choice in CHOICES:
-        gemm = op(choice)
+    for choice in choices:
+        gemm = (gemm_for or op)(choice)
+        try:
+            gemm(a_q, a_s, *weights[0], out_dtype, fast_accum)
+        except ValueError:
+            continue
         passes = []
         for _ in range(reps + 1):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,15 +1,18 @@
-"""FP8 GEMM with rowwise scales through QuACK (quack-kernels): a persistent,
+"""FP8 GEMMs with rowwise scales through QuACK (quack-kernels): a persistent,
 warp-specialized CuTe DSL GEMM for Hopper, the scales applied in its epilogue
 (plugins/kernels/quack_epilogues.py). The CUTLASS DSL candidate of the per-shape GEMM choice
-(`fp8_gemm.op("quack:<tiles>")`); on CPU tensors it is the reference.
+(`fp8_gemm.op("quack:<tiles>")`), and the GEMMs with more in their epilogues: the residual
+(`quack_scaled_mm_residual`, for gemm_residual) and SwiGLU with its row maxima
+(`quack_swiglu_mm`, for gemm_swiglu). On CPU tensors, the references.
 
 Session 7 (one H200, `scripts/bench_kernels.py --only gemm --gemm-libs scaled_mm,quack`,
 docs/PERFORMANCE.md): with fast accumulation, 105.7 us at the output projection against
 117.9 / 127.4 for `_scaled_mm` promoted / fast, and 228.0 against 242.8 / 235.9 at the
 input projection; the TP-3 step 117.9 against 121.9 ms. Its promoted-sum path runs 5-20x
-slower, so it serves fast accumulation only. quack and nvidia-cutlass-dsl are not on the GPU
-machine: they travel as wheels (docs/PERFORMANCE.md lists them; the shared carry script
-stops at flash-attn-4) and compile each tile configuration at first use (2-5 s).
+slower, so it serves fast accumulation only. Each tile configuration and epilogue compiles
+at first use (2-5 s): charbuild puts the objects in the engine (charengine/kernel_cache.py).
+quack and nvidia-cutlass-dsl are not on the GPU machine: they travel as wheels, unpacked
+under a `site-packages` directory (docs/PERFORMANCE.md, session 8).
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ class QuackTiles:
         if len(f) != 5 or f[4] not in (0, 1):
             raise ValueError(f"QuACK tiles {text!r}: tile_m,tile_n,cluster_m,cluster_n,pingpong")
         return cls(*f[:4], bool(f[4]))
+
+
+# The tiles charbuild times (the fastest at the TP-3 rank slice's two projections and their
+# epilogue variants, sessions 7 and 8: scripts/bench_kernels.py --only gemm epilogues)
+CANDIDATES = ("128,256,2,1,0", "128,192,2,1,1", "256,192,1,2,0", "256,160,1,2,0")
 
 
 def available() -> bool:

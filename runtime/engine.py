@@ -58,6 +58,24 @@ def check_machine(target: Target, built_with: dict, machine: dict, gpus: int | N
                           f"{machine.get('triton')}: rebuild it here with charbuild")
 
 
+def check_quack(target: Target, need: dict | None) -> None:
+    """Refuse an engine whose GEMMs run on QuACK (manifest kernels.quack) where quack-kernels
+    is missing or another version: its compiled objects are keyed by QuACK's sources."""
+    if not need:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        here = version("quack-kernels")
+    except PackageNotFoundError:
+        here = None
+    if here != need.get("version"):
+        has = f"quack-kernels {here}" if here else "no quack-kernels"
+        raise EngineError(f"engine {target.name} runs its GEMMs on QuACK (quack-kernels "
+                          f"{need.get('version')}); this machine has {has}: install that "
+                          "version, or rebuild the engine here with charbuild")
+
+
 def verify(path: Path, names: list[str], files: dict) -> None:
     sums = checksums(path, names)
     for name in names:
@@ -115,6 +133,7 @@ class Engine:
         gpus = None if ranks is None else len(want)
         check_machine(target, manifest.get("built_with", {}), machine or this_machine(), gpus,
                       kernels=bool(kernels.get("compiled")))
+        check_quack(target, kernels.get("quack"))
         files = manifest.get("files", {})
         expected = {ADALN, SIDE, *(rank_file(r) for r in built)}
         for name in sorted(expected | set(files)):
@@ -151,11 +170,12 @@ class Engine:
         self.verified()
 
     def kernel_cache(self, use_compiled: bool = True) -> KernelCache:
-        """Triton's cache over a copy of the engine's compiled kernels (empty for an engine
-        built without them, or without use_compiled: then every kernel is compiled, and
-        counted, at start)."""
-        d = self.manifest["kernels"].get("dir") if use_compiled else None
-        return KernelCache.copy_of(self.path / d) if d else KernelCache.empty()
+        """Triton's cache (and QuACK's, where the engine runs it) over a copy of the engine's
+        compiled kernels (empty for an engine built without them, or without use_compiled:
+        then every kernel is compiled, and counted, at start)."""
+        kernels = self.manifest["kernels"]
+        d, quack = kernels.get("dir") if use_compiled else None, bool(kernels.get("quack"))
+        return KernelCache.copy_of(self.path / d, quack) if d else KernelCache.empty(quack)
 
     def gemm_plan(self, rank: int) -> dict[str, str]:
         """The per-shape GEMM choice charbuild measured for `rank` ({} if none was)."""

@@ -229,3 +229,20 @@ def test_an_engines_gemm_plan_is_read_for_its_rank(copy):
     assert fp8_gemm.op("triton") is not fp8_gemm.op("scaled_mm") is fp8_gemm.op(None)
     with pytest.raises(ValueError, match="unknown GEMM choice 'cutlass'"):
         fp8_gemm.op("cutlass")
+
+
+def test_an_engine_on_quack_is_refused_without_that_quack(copy):
+    """An engine whose GEMMs run on QuACK needs the quack-kernels it was compiled with."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        here = version("quack-kernels")
+    except PackageNotFoundError:
+        here = None
+    m = json.loads((copy / "manifest.json").read_text())
+    m["kernels"]["quack"] = {"dir": "kernels/quack", "version": "0.0.1-other"}
+    (copy / "manifest.json").write_text(json.dumps(m))
+    has = f"quack-kernels {here}" if here else "no quack-kernels"
+    with pytest.raises(EngineError, match=rf"runs its GEMMs on QuACK \(quack-kernels "
+                                          rf"0.0.1-other\); this machine has {has}: install"):
+        Engine.load(copy)

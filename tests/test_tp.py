@@ -52,3 +52,11 @@ def test_tp3_production_numerics_close_to_tp1(tmp_path):
     ref = rollout(preset("tiny-10h"), STEPS)
     got = run_tp(3, preset("tiny-10h"), tmp_path)
     assert rel_err(ref, got).max() < 1e-2
+
+
+@pytest.mark.slow
+def test_tp3_with_the_gemm_epilogues_close_to_tp1(tmp_path):
+    """gemm_swiglu and gemm_residual under TP-3 (uneven heads): each rank pairs its own gate
+    and up rows, and rank 0 alone adds h before the all-reduce; bounded as above."""
+    cfg = preset("tiny-10h", switches=Switches(gemm_swiglu=True, gemm_residual=True))
+    assert rel_err(rollout(preset("tiny-10h"), STEPS), run_tp(3, cfg, tmp_path)).max() < 1e-2
