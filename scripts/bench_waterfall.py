@@ -3,6 +3,10 @@ random order, each run a fresh process (scripts/bench_session.py). Writes the pe
 files, a summary JSON of medians and a PNG waterfall.
 
     python scripts/bench_waterfall.py --runs 3 --steps 300
+
+`--summarize-only` rebuilds the summary and the plot from the JSON already in --out; `--tail`
+plots tagged runs (`bench_session.py --tag`, e.g. later sessions' configurations) as the last
+bars, each with its label, instead of the production arm.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ LABELS = {"baseline": "Baseline", "baked_adaln": "+AdaLN", "rope_at_write": "+Ro
           "production": "+Fast accum. = production"}
 
 
-def plot(summary: dict, path: Path, title: str) -> None:
+def plot(summary: dict, path: Path, title: str, tail: dict | None = None) -> None:
+    """The bars: ARMS where measured, then production, or instead `tail` ({arm: label})."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = [a for a in ARMS + ["production"] if a in summary]
+    labels = {**LABELS, **(tail or {})}
+    arms = [a for a in ARMS + (list(tail) if tail else ["production"]) if a in summary]
     vals = [summary[a]["diffusion_p50_ms"] for a in arms]
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(arms) + 1.5))
     y = range(len(arms))[::-1]
@@ -41,7 +47,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
         prev = summary[arms[arms.index(a) - 1]]["diffusion_p50_ms"] if arms.index(a) else None
         note = f"{v:.1f}" + (f" ({v - prev:+.1f})" if prev is not None else "")
         ax.text(v + 1, yi, note, va="center", fontsize=9)
-    ax.set_yticks(list(y), [LABELS[a] for a in arms])
+    ax.set_yticks(list(y), [labels[a] for a in arms])
     ax.axvline(1000 * 4 / 24, color="k", ls="--", lw=1, label="24 fps budget")
     ax.set_xlabel("diffusion p50 per AR step (ms)")
     ax.set_title(title, fontsize=10)
@@ -59,8 +65,16 @@ def main():
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     ap.add_argument("--seed", type=int, default=0, help="order shuffle seed")
     ap.add_argument("--first-run", type=int, default=1)
+    ap.add_argument("--summarize-only", action="store_true",
+                    help="no runs: the summary and plot from the JSON in --out")
+    ap.add_argument("--tail", default="", metavar="ARM=LABEL,...",
+                    help="tagged arms plotted last, e.g. 'production-s8-quack=+QuACK GEMMs'")
     ap.add_argument("rest", nargs=argparse.REMAINDER, help="passed to bench_session.py")
     args = ap.parse_args()
+    tail = dict(item.split("=", 1) for item in args.tail.split(",") if item)
+    if args.summarize_only:
+        summarize(args.out, tail)
+        return
     arms = args.arms.split(",")
     jobs = [(a, r) for r in range(args.first_run, args.first_run + args.runs) for a in arms]
     random.Random(args.seed).shuffle(jobs)
@@ -73,10 +87,10 @@ def main():
         print(f"[{time.time() - t0:5.1f} s] {arm} {run}: "
               + (r.stdout.strip().splitlines()[0] if r.returncode == 0 else r.stderr[-2000:]),
               flush=True)
-    summarize(args.out)
+    summarize(args.out, tail)
 
 
-def summarize(out: Path) -> dict:
+def summarize(out: Path, tail: dict | None = None) -> dict:
     groups: dict[tuple, list] = {}
     for f in sorted(out.glob("bench_*.json")):
         d = json.loads(f.read_text())
@@ -102,7 +116,7 @@ def summarize(out: Path) -> dict:
         (out / f"summary_{key}.json").write_text(json.dumps(summary, indent=1) + "\n")
         if sum(a in summary for a in ARMS) >= 2:
             try:
-                plot(summary, out / f"waterfall_{key}.png", key)
+                plot(summary, out / f"waterfall_{key}.png", key, tail)
             except ImportError:
                 print("matplotlib missing: no plot")
         for arm in ARMS + ["production"]:
