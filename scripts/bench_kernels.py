@@ -483,7 +483,7 @@ def main():
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--only", nargs="*", default=["attention", "pre_attention", "act", "delta",
-                                                  "calibrate", "gemm"])
+                                                  "calibrate", "gemm", "epilogues"])
     ap.add_argument("--gemm-libs", default="scaled_mm,triton,quack",
                     help="the GEMM candidates --only gemm times (quack where installed)")
     ap.add_argument("--gpu-tag", default="h200")

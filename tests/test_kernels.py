@@ -371,7 +371,8 @@ def test_quack_swiglu_epilogue_matches_its_reference(M, S, F, K):
 @pytest.mark.parametrize("M,N,K", [(757, 7680, 12800), (37, 304, 96)])
 def test_quack_residual_epilogue_matches_cublaslt(M, N, K):
     """The output projection with the residual as QuACK's C input (skipped without quack):
-    its error against the exact sum plus h is that of cuBLASLt's same epilogue."""
+    its error against the exact sum plus h is that of cuBLASLt's same epilogue; the output
+    buffer's memory poisoned first."""
     pytest.importorskip("quack")
     from charengine.plugins import quack_gemm
 
@@ -382,6 +383,7 @@ def test_quack_residual_epilogue_matches_cublaslt(M, N, K):
     h = (torch.randn(M, N, device=DEV, generator=g) * 4).to(torch.bfloat16)
     exact = (aq.float() @ wq.float().t()) * a_s * ws[None, :] + h.float()
     lt = gemm_residual.select(DEV)(aq, a_s, wq, ws, h, torch.bfloat16, True)
+    torch.empty(M * N * 4, dtype=torch.uint8, device=DEV).fill_(0xFF)  # poison the pool
     out = quack_gemm.quack_scaled_mm_residual(aq, a_s, wq, ws, h, torch.bfloat16, True,
                                               quack_gemm.QuackTiles.parse("128,192,2,1,1"))
     assert float(rel_err(exact[None], out[None])[0]) <= \
