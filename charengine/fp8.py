@@ -8,7 +8,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-_TINY = 1e-12
+TINY = 1e-12
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -22,7 +22,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> tor
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per-token, or per-output-channel for a weight) scales: amax / 448."""
-    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(_TINY) / FP8_MAX
+    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(TINY) / FP8_MAX
     return quantize(x, scale), scale
 
 
@@ -46,7 +46,7 @@ def quant_dequant_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def quant_dequant_per_tensor(x: torch.Tensor) -> torch.Tensor:
-    scale = x.float().abs().amax().clamp_min(_TINY) / FP8_MAX
+    scale = x.float().abs().amax().clamp_min(TINY) / FP8_MAX
     return dequantize(quantize(x, scale), scale, x.dtype)
 
 

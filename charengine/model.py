@@ -4,11 +4,10 @@ global tokens.
 
 Block: xm = LN(h) * (1 + scale) + shift; [q k v gate up] = W_in xm (FP8, column-parallel;
 with gemm_swiglu, silu(gate) * up in the GEMM's epilogue, W_in's gate and up rows stored as
-pairs); attention over the cache; o = W_out [attn,
-silu(gate) * up] (FP8, row-parallel), all-reduced; h += gate_ada * o (with gemm_residual, in
-the output projection's epilogue, the gate folded into its weight scale; else with
-fused_residual, inside the next block's first kernel). Shift, scale and gate come from the
-pass's timestep alone.
+pairs); attention over the cache; o = W_out [attn, silu(gate) * up] (FP8, row-parallel),
+all-reduced; h += gate_ada * o (with gemm_residual, in the output projection's epilogue, the
+gate folded into its weight scale; else with fused_residual, inside the next block's first
+kernel). Shift, scale and gate come from the pass's timestep alone.
 """
 
 from __future__ import annotations
@@ -246,9 +245,10 @@ class CharacterDiT(torch.nn.Module):
                     aq, a_s, h = self.act.residual_norm_modulate(h, *residual, shift, scale, eps)
             if self.gemm_swiglu is not None:
                 with self.scope("fp8_gemm"):
-                    y, *mlp = self.gemm_swiglu(
+                    y, y_mlp, y_amax = self.gemm_swiglu(
                         aq, a_s, self.w[f"blocks.{b}.w_in.q"], self.w[f"blocks.{b}.w_in.scale"],
                         self.dtype, self.cfg.numerics.fast_accum_for("w_in"), 3 * self.A)
+                mlp = (y_mlp, y_amax)
             else:
                 y = self.fp8_gemm(aq, a_s, f"blocks.{b}.w_in")
         else:
