@@ -28,20 +28,28 @@ from charengine.rank import make_session
 from charengine.warmup import warm_up
 
 
-def gemm_candidates(cfg, kind: str) -> tuple[dict, object]:
-    """The choices timed for block linear `kind` and the op each names, as the model will run
-    it: with gemm_swiglu the input projection is QuACK's SwiGLU epilogue (tiles only); with
-    gemm_residual the output projection adds the residual in its epilogue (cuBLASLt or
-    QuACK); else the plain GEMM (cuBLASLt, Triton, QuACK). QuACK where it is installed."""
+def gemm_candidates(cfg, kind: str, split: int, h: torch.Tensor):
+    """The choices timed for block linear `kind`, and a function giving each one's op (with
+    fp8.scaled_mm's signature) as the model will run it: with gemm_swiglu the input
+    projection's SwiGLU epilogue after `split` plain columns (QuACK only); with gemm_residual
+    the output projection adding `h` in its epilogue (cuBLASLt or QuACK); else the plain GEMM
+    (cuBLASLt, Triton, QuACK). QuACK where it is installed."""
     quack = tuple(f"quack:{t}" for t in quack_gemm.CANDIDATES) if quack_gemm.available() \
         else ()
     sw = cfg.switches
     if kind == "w_in" and sw.gemm_swiglu:
         if not quack:
             raise ValueError("gemm_swiglu needs quack-kernels on the build GPU")
-        return quack, lambda c: quack_gemm.select_swiglu("cuda", c)
+
+        def swiglu(c):
+            f = quack_gemm.select_swiglu("cuda", c)
+            return lambda a_q, a_s, w_q, w_s, dt, fast: f(a_q, a_s, w_q, w_s, dt, fast, split)
+        return quack, swiglu
     if kind == "w_out" and sw.gemm_residual and sw.baked_adaln:
-        return ("scaled_mm",) + quack, lambda c: gemm_residual.select("cuda", c)
+        def residual(c):
+            f = gemm_residual.select("cuda", c)
+            return lambda a_q, a_s, w_q, w_s, dt, fast: f(a_q, a_s, w_q, w_s, h, dt, fast)
+        return ("scaled_mm",) + quack, residual
     return fp8_gemm.CHOICES + quack, fp8_gemm.op
 
 
@@ -58,17 +66,7 @@ def gemm_plan(cfg, state: dict, rank: int) -> tuple[dict, dict]:
     for kind in ("w_in", "w_out"):
         weights = [(state[f"blocks.{i}.{kind}.q"], state[f"blocks.{i}.{kind}.scale"])
                    for i in range(spec.n_blocks)]
-        choices, op = gemm_candidates(cfg, kind)
-        if kind == "w_in" and cfg.switches.gemm_swiglu:
-            def gemm_for(c, op=op):
-                f = op(c)
-                return lambda a_q, a_s, w_q, w_s, dt, fast: f(a_q, a_s, w_q, w_s, dt, fast, split)
-        elif op is not fp8_gemm.op:
-            def gemm_for(c, op=op):
-                f = op(c)
-                return lambda a_q, a_s, w_q, w_s, dt, fast: f(a_q, a_s, w_q, w_s, h, dt, fast)
-        else:
-            gemm_for = op
+        choices, gemm_for = gemm_candidates(cfg, kind, split, h)
         times[kind] = fp8_gemm.time_choices(weights, T, dtype, cfg.numerics.fast_accum_for(kind),
                                             choices=choices, gemm_for=gemm_for)
         plan[kind] = fp8_gemm.choose(times[kind])
