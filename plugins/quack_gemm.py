@@ -86,11 +86,11 @@ def quack_scaled_mm_residual(a_q, a_scale, w_q, w_scale, residual, out_dtype, fa
                              tiles: QuackTiles = QuackTiles()) -> torch.Tensor:
     """As plugins/gemm_residual.reference: residual [M, N] (or None) added to the scaled
     product in the epilogue (QuACK's C input), rounded once."""
-    if residual is None or not a_q.is_cuda:
-        if not a_q.is_cuda:
-            from .gemm_residual import reference
+    if not a_q.is_cuda:
+        from .gemm_residual import reference
 
-            return reference(a_q, a_scale, w_q, w_scale, residual, out_dtype, fast_accum)
+        return reference(a_q, a_scale, w_q, w_scale, residual, out_dtype, fast_accum)
+    if residual is None:
         return quack_scaled_mm(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, tiles)
     from .kernels.quack_epilogues import rowwise_scaled_residual
 
