@@ -27,7 +27,7 @@ from charengine import fp8
 from charengine.config import RankShape, preset
 from charengine.engine_format import this_machine
 from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, \
-    pre_attention, quack_gemm
+    gemm_residual, pre_attention, quack_gemm
 from charengine.rope import RopeTables
 
 
@@ -67,6 +67,22 @@ def fp8_code_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
     """How far apart two e4m3 tensors are, in codes (adjacent values differ by one code)."""
     d = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
     return {"max_codes": int(d.max()), "frac_differ": float((d > 0).float().mean())}
+
+
+def _timed(out, key, fn, calls, reps, check=None):
+    """out[key] = {"us": ...} plus check()'s entries; an error is reported, not fatal."""
+    try:
+        extra = check() if check is not None else {}
+        out[key] = {"us": graph_time_us(fn, calls, reps), **extra}
+    except Exception as e:
+        out[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def rowwise_weights(n: int, N: int, K: int, dev, g, spread: float = 1.0):
+    """n FP8 weights [N, K] of normal values times `spread`, with their per-row scales [N]."""
+    ws = [fp8.quantize_rows(torch.randn(N, K, device=dev, generator=g) * spread)
+          for _ in range(n)]
+    return [(q, s[:, 0].contiguous()) for q, s in ws]
 
 
 def bench_attention(H, T, S, D, calls, reps, dev):
@@ -205,10 +221,7 @@ def bench_act(spec, shape, calls, reps, dev):
         variants.append((f"swiglu_triton_w{w}_c{c}", lambda i, w=w, c=c: act_quant.triton_swiglu_quant(
             att[i % n], gu[i % n][:, :M], gu[i % n][:, M:], warps=w, chunk=c)))
     for name, fn in variants:
-        try:
-            out[name] = {"us": graph_time_us(fn, calls, reps)}
-        except Exception as e:
-            out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        _timed(out, name, fn, calls, reps)
     for kind, r, t in (
             ("norm_modulate", act_quant.norm_modulate_reference(hs[0], shift, scale, 1e-6),
              act_quant.triton_norm_modulate_quant(hs[0], shift, scale, 1e-6)),
@@ -290,8 +303,7 @@ def bench_gemm(spec, shape, calls, reps, dev, libs=("scaled_mm", "triton", "quac
                        ("w_out", spec.dim, shape.out_proj_cols(spec))):
         n = max(2, math.ceil(200e6 / (N * K)))  # weights past L2
         a_q, a_s = fp8.quantize_rows(torch.randn(T, K, device=dev, generator=g))
-        ws = [fp8.quantize_rows(torch.randn(N, K, device=dev, generator=g)) for _ in range(n)]
-        ws = [(q, s[:, 0].contiguous()) for q, s in ws]
+        ws = rowwise_weights(n, N, K, dev, g)
         flop = 2 * T * N * K
         # fp32 sums of the exact FP8 products: the error is the accumulation's and rounding's
         ref = (a_q.float() @ ws[0][0].float().t()) * a_s * ws[0][1][None, :]
@@ -342,21 +354,13 @@ SWIGLU_TILES = ("128,256,2,1,0", "128,192,2,1,1", "128,128,2,1,1", "256,128,1,2,
                 "128,192,1,2,1", "256,192,1,2,0", "128,160,2,1,1")
 
 
-def _timed(out, key, fn, calls, reps, check=None):
-    """out[key] = {"us": ...} plus check()'s entries; an error is reported, not fatal."""
-    try:
-        extra = check() if check is not None else {}
-        out[key] = {"us": graph_time_us(fn, calls, reps), **extra}
-    except Exception as e:
-        out[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-
-
 def bench_epilogues(spec, shape, calls, reps, dev):
-    """The block with the work between the GEMMs moved into their epilogues: the input
-    projection as a q/k/v GEMM and a gate/up GEMM whose epilogue applies SwiGLU and gives
-    row maxima (QuACK), the attention kernel giving its row maxima, the concatenate-and-
-    quantize kernel that needs no row reduction, and the output projection with the residual
-    in its epilogue; each against the present block's kernels at the rank slice."""
+    """The block with the work between the GEMMs moved into their epilogues (gemm_swiglu): the
+    input projection with SwiGLU and row maxima in QuACK's epilogue, as one GEMM and as the
+    rejected split (a q/k/v GEMM and a gate/up one), the attention kernel giving its row
+    maxima, the concatenate-and-quantize kernel that needs no row reduction, and the output
+    projection with the residual in its epilogue; each against the default block's kernels
+    at the rank slice."""
     T, d = spec.tokens_per_frame, spec.dim
     A, M = shape.attn_width(spec), shape.mlp
     g = torch.Generator(device=dev).manual_seed(6)
@@ -365,9 +369,7 @@ def bench_epilogues(spec, shape, calls, reps, dev):
     # input projection: the present single GEMM against the split
     a_q, a_s = fp8.quantize_rows(torch.randn(T, d, device=dev, generator=g))
     n = 3
-    w_in = [fp8.quantize_rows(torch.randn(3 * A + 2 * M, d, device=dev, generator=g) * 0.02)
-            for _ in range(n)]
-    w_in = [(q, s[:, 0].contiguous()) for q, s in w_in]
+    w_in = rowwise_weights(n, 3 * A + 2 * M, d, dev, g, 0.02)
     w_qkv = [(q[:3 * A].contiguous(), s[:3 * A].contiguous()) for q, s in w_in]
     w_gu = [(quack_gemm.interleave_gate_up(q[3 * A:]).contiguous(),
              quack_gemm.interleave_gate_up(s[3 * A:]).contiguous()) for q, s in w_in]
@@ -407,12 +409,8 @@ def bench_epilogues(spec, shape, calls, reps, dev):
         # output projection with the residual in the epilogue
         K = A + M
         o_q, o_s = fp8.quantize_rows(torch.randn(T, K, device=dev, generator=g))
-        w_out = [fp8.quantize_rows(torch.randn(d, K, device=dev, generator=g) * 0.02)
-                 for _ in range(n)]
-        w_out = [(q, s[:, 0].contiguous()) for q, s in w_out]
+        w_out = rowwise_weights(n, d, K, dev, g, 0.02)
         hs = [torch.randn(T, d, device=dev, generator=g).to(bf) for _ in range(n)]
-        from charengine.plugins import gemm_residual
-
         ref_r = gemm_residual.reference(o_q, o_s, *w_out[0], hs[0], bf, True)
         for spec_ in ("128,192,2,1,1", "256,192,1,2,0", "128,256,2,1,0"):
             t = quack_gemm.QuackTiles.parse(spec_)
@@ -460,8 +458,9 @@ def bench_epilogues(spec, shape, calls, reps, dev):
     S = spec.global_tokens + 6 * T
     q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=dev, generator=g))
     k8 = [fp8.quantize(torch.randn(H, S, D, device=dev, generator=g) * 2, 1.0) for _ in range(4)]
+    # values stored [H, D, S] with rows padded to 16 bytes, as the cache keeps them
     v8 = [fp8.quantize(torch.randn(H, D, S - S % -16, device=dev, generator=g) * 2,
-                       1.0)[..., :S].transpose(1, 2) for _ in range(4)]  # stored [H, D, S], rows padded to 16 bytes, as the cache
+                       1.0)[..., :S].transpose(1, 2) for _ in range(4)]
     ks = torch.full((H, 1, 1), 0.01, device=dev)
     amax = torch.empty(H, T, device=dev)
     _timed(out, "attention", lambda i: attention.triton_attention(

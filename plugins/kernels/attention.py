@@ -79,9 +79,9 @@ def _tile(acc, l_i, m_i, q, row_scale, k_ptr, v_ptr, start, S, stride_ks, stride
 def _store(o_ptr, amax_ptr, out, offs_m, offs_d, h, T, stride_ot, D: tl.constexpr,
            AMAX: tl.constexpr):
     """The output tile of head h, rounded to the output dtype; with AMAX, each row's |max| of
-    the stored values to amax_ptr [T, heads] (the output projection's quantization scale then
-    needs no reduction over the row: plugins/act_quant.concat_quant_reference), stored
-    [heads, T] so that the tile's stores are contiguous."""
+    the stored values to amax_ptr, [heads, T] so that the tile's stores are contiguous (the
+    output projection's quantization scale then needs no reduction over the row:
+    plugins/act_quant.concat_quant_reference)."""
     o = out.to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + offs_m[:, None] * stride_ot + h * D + offs_d[None, :], o,
              mask=offs_m[:, None] < T)
