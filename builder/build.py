@@ -4,7 +4,6 @@ compile every kernel a session runs on the target GPU into it."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +16,11 @@ from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, QUACK_KER
                                       TRITON_KERNELS, checksums, engine_files, gpu_arch,
                                       rank_file, sha256, this_machine)
 from charengine.model import bake_adaln
-from charengine.sidenets import PREFIXES, SideNets, random_side_state
+from charengine.sidenets import PREFIXES, check_side, random_side_state
 from charengine.target import Target
 from charengine.weights import RandomWeights, load_checkpoint, param_shapes, rank_weights
 
+from .output import Staging
 from .so_check import StaticLibstdcxx, check_shared_objects
 
 
@@ -93,11 +93,15 @@ def manifest_of(target: Target, cfg, ranks, source, side_source, kernels, files)
 
 def build(target: Target, out: Path, weights: Path | None = None, seed: int | None = None,
           preset_name: str | None = None, log=print, ranks: list[int] | None = None,
-          kernels: bool = True) -> dict:
+          kernels: bool = True, random_side_networks: bool = False) -> dict:
     """Write the engine for `target` to `out` and return its manifest. Exactly one of
     `weights` (a safetensors checkpoint) and `seed` (random weights) is given. `ranks` builds
     a part of the layout (a rank slice to benchmark on fewer GPUs; charrun refuses to serve
-    it); `kernels=False` leaves a GPU target's kernels to be compiled when charrun starts."""
+    it); `kernels=False` leaves a GPU target's kernels to be compiled when charrun starts. A
+    checkpoint without side networks builds only with `random_side_networks` (random ones,
+    seeded by `seed` or 0, and the manifest says so). `out` is replaced only where it is
+    absent, empty or an engine directory (builder/output.py), and only once the new engine
+    is complete."""
     if (weights is None) == (seed is None):
         raise ValueError("give either a checkpoint or a seed for random weights")
     cfg = target.config(preset_name)
@@ -105,62 +109,64 @@ def build(target: Target, out: Path, weights: Path | None = None, seed: int | No
     ranks = sorted(set(range(cfg.tp) if ranks is None else ranks))
     if not ranks or ranks[0] < 0 or ranks[-1] >= cfg.tp:
         raise BuildError(f"ranks {ranks}: target {target.name} has ranks 0..{cfg.tp - 1}")
+    staging = Staging(out)  # refuses an --out it must not replace, before any work
     compile_kernels = kernels and target.device == "cuda"
     device = build_device(target, compile_kernels)
+    side_seed = seed if seed is not None else 0
     if weights is not None:
         state, side = load_checkpoint(weights, spec, PREFIXES)
+        if side:
+            check_side(spec, side, str(weights))
+        elif not random_side_networks:
+            raise BuildError(f"{weights}: holds no side networks (tensors under "
+                             f"{', '.join(PREFIXES)}); pass --random-side-networks to build "
+                             "with random ones (the frames are then not the model's)")
         state = {k: v.to(device) for k, v in state.items()}
         source = {"checkpoint": str(weights), "sha256": sha256(weights)}
     else:
         state, side = RandomWeights(spec, seed, device), {}
         source = {"random_seed": seed}
-    if side and set(side) != set(SideNets(spec).state_dict()):
-        raise ValueError(f"{weights}: side-network tensors are incomplete; give all of "
-                         f"{', '.join(PREFIXES)} or none")
-    side_source = "checkpoint" if side else f"random (seed {seed if seed is not None else 0})"
+    side_source = "checkpoint" if side else f"random (seed {side_seed})"
     if not side:
-        side = random_side_state(spec, seed if seed is not None else 0)
+        side = random_side_state(spec, side_seed)
 
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    table, final = bake_adaln(cfg, state)
-    save_file({"adaln_table": table.contiguous().cpu(), "final_table": final.contiguous().cpu()},
-              str(tmp / ADALN))
-    save_file({k: v.contiguous() for k, v in side.items()}, str(tmp / SIDE))
-    for r in ranks:
-        rstate = rank_weights(spec, state, RankShape.of(spec, cfg.tp, r),
-                              keep_adaln=not cfg.switches.baked_adaln)
-        save_file({k: v.cpu() for k, v in rstate.items()}, str(tmp / rank_file(r)))
-        del rstate
-        log(f"rank {r}: {rank_file(r)}")
-    del state
-    kernels = {"compiled": False, "dir": None, "warm_up": {}}
-    if compile_kernels:
-        (tmp / MANIFEST).write_text(json.dumps(
-            manifest_of(target, cfg, ranks, source, side_source, kernels, {})))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the warm-up process loads the rank again
+    with staging as tmp:
+        table, final = bake_adaln(cfg, state)
+        save_file({"adaln_table": table.contiguous().cpu(), "final_table": final.contiguous().cpu()},
+                  str(tmp / ADALN))
+        save_file({k: v.contiguous() for k, v in side.items()}, str(tmp / SIDE))
+        for r in ranks:
+            rstate = rank_weights(spec, state, RankShape.of(spec, cfg.tp, r),
+                                  keep_adaln=not cfg.switches.baked_adaln)
+            save_file({k: v.cpu() for k, v in rstate.items()}, str(tmp / rank_file(r)))
+            del rstate
+            log(f"rank {r}: {rank_file(r)}")
+        del state
+        kernels = {"compiled": False, "dir": None, "warm_up": {}}
+        if compile_kernels:
+            (tmp / MANIFEST).write_text(json.dumps(
+                manifest_of(target, cfg, ranks, source, side_source, kernels, {})))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the warm-up process loads the rank again
 
-        def shape_of(r):
-            shape = RankShape.of(spec, cfg.tp, r)
-            return shape.heads, shape.mlp
+            def shape_of(r):
+                shape = RankShape.of(spec, cfg.tp, r)
+                return shape.heads, shape.mlp
 
-        shapes = {}
-        for r in ranks:  # ranks of one shape share their kernels and GEMM choices
-            shapes.setdefault(shape_of(r), r)
-        warm = {r: bake_kernels(tmp, r, log) for r in shapes.values()}
-        kernels = {"compiled": True, "dir": TRITON_KERNELS,
-                   "warm_up": {str(r): w for r, w in warm.items()},
-                   "gemm_plan": {str(r): warm[shapes[shape_of(r)]]["gemm_plan"] for r in ranks},
-                   "quack": uses_quack(cfg, warm.values())}
-        try:
-            kernels["shared_objects_checked"] = check_shared_objects(tmp / TRITON_KERNELS)
-        except StaticLibstdcxx as e:
-            raise BuildError(str(e)) from None
-    manifest = manifest_of(target, cfg, ranks, source, side_source, kernels,
-                           checksums(tmp, engine_files(tmp)))
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+            shapes = {}
+            for r in ranks:  # ranks of one shape share their kernels and GEMM choices
+                shapes.setdefault(shape_of(r), r)
+            warm = {r: bake_kernels(tmp, r, log) for r in shapes.values()}
+            kernels = {"compiled": True, "dir": TRITON_KERNELS,
+                       "warm_up": {str(r): w for r, w in warm.items()},
+                       "gemm_plan": {str(r): warm[shapes[shape_of(r)]]["gemm_plan"] for r in ranks},
+                       "quack": uses_quack(cfg, warm.values())}
+            try:
+                kernels["shared_objects_checked"] = check_shared_objects(tmp / TRITON_KERNELS)
+            except StaticLibstdcxx as e:
+                raise BuildError(str(e)) from None
+        manifest = manifest_of(target, cfg, ranks, source, side_source, kernels,
+                               checksums(tmp, engine_files(tmp)))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        staging.commit()
     return manifest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -36,10 +37,14 @@ def find_target(name: str) -> Target:
 @click.option("--target", "target_name", required=True,
               help="Target name (a file in engines/targets/) or a path to a target .toml.")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
-              help="Engine directory to write (replaced if it exists).")
+              help="Engine directory to write: a new or empty directory, or an engine "
+                   "directory, which is replaced once the new engine is complete.")
 @click.option("--weights", type=click.Path(path_type=Path),
               help="Full-precision safetensors checkpoint of the model (see charengine.weights).")
 @click.option("--random-weights", is_flag=True, help="Random weights of the exact shapes.")
+@click.option("--random-side-networks", is_flag=True,
+              help="Build from a checkpoint that holds no side networks, with random ones "
+                   "(the frames are then not the model's; the summaries say so).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for --random-weights.")
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)),
               help="Model preset, overriding the target's.")
@@ -48,11 +53,15 @@ def find_target(name: str) -> Target:
 @click.option("--no-kernels", is_flag=True,
               help="Do not compile a GPU target's kernels into the engine (charrun compiles "
                    "them at every start); lets a GPU engine be built without its GPU.")
-def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels):
+def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels,
+         random_side_networks):
     """Bake a per-rank engine: FP8 weights and scales, AdaLN tables for the fixed schedule,
     side networks, a GPU target's compiled kernels (built on that GPU), and a manifest with
     checksums that charrun checks before loading."""
     from .build import build
+
+    # SIGTERM (docker stop, timeout) unwinds like Ctrl-C: the staging directory is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     if ranks is not None:
         try:
@@ -77,9 +86,16 @@ def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no
     try:
         m = build(target, out, weights=weights, seed=None if weights else seed,
                   preset_name=preset_name, log=lambda s: click.echo(s, err=True), ranks=ranks,
-                  kernels=not no_kernels)
+                  kernels=not no_kernels, random_side_networks=random_side_networks)
     except (CheckpointError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo(f"charbuild: interrupted; {out} is as it was", err=True)
+        sys.exit(130)
+    if m["side_networks"] != "checkpoint":
+        click.echo(f"charbuild: the side networks (audio encoder, decoder, image and text "
+                   f"encoders) are {m['side_networks']}: the frames are not a trained "
+                   "model's", err=True)
     click.echo(f"built {target.name} ({m['config']['model']['name']}, TP-{m['tp']}) -> {out}")
 
 

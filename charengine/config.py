@@ -399,16 +399,49 @@ class RankShape:
         return self.attn_width(spec) + self.mlp
 
 
-def _from_dict(cls, d: dict):
+_SCALARS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def check_field_type(where: str, annotation: str, v) -> None:
+    """A field read from a manifest against its annotation: int, float, bool, str, None
+    where allowed, and tuples of those (JSON lists)."""
+    kinds = [a.strip() for a in annotation.split("|")]
+    if v is None:
+        if "None" in kinds:
+            return
+        raise TypeError(f"{where}: expected {annotation}, got null")
+    for kind in kinds:
+        if kind.startswith("tuple[") and isinstance(v, (list, tuple)):
+            inner = kind[len("tuple["):-1].split(",")[0].strip()
+            for i, x in enumerate(v):
+                check_field_type(f"{where}[{i}]", inner, x)
+            return
+        allowed = _SCALARS.get(kind)
+        if allowed and isinstance(v, allowed) and not (kind != "bool" and isinstance(v, bool)):
+            return
+        if kind not in _SCALARS and not kind.startswith("tuple["):
+            return  # a type this reader does not check (nested specs are checked as dicts)
+    raise TypeError(f"{where}: expected {annotation}, got {type(v).__name__} {v!r}"[:200])
+
+
+def from_dict_checked(cls, d: dict, where: str = "config"):
+    if not isinstance(d, dict):
+        raise TypeError(f"{where}: expected an object, got {type(d).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r}")
     kw = {}
     for f in dataclasses.fields(cls):
         if f.name not in d:
             continue
         v = d[f.name]
         if f.name in _NESTED.get(cls.__name__, {}):
-            v = _from_dict(_NESTED[cls.__name__][f.name], v)
-        elif isinstance(v, list):
-            v = tuple(v)
+            v = from_dict_checked(_NESTED[cls.__name__][f.name], v, f"{where}.{f.name}")
+        else:
+            check_field_type(f"{where}.{f.name}", str(f.type), v)
+            if isinstance(v, list):
+                v = tuple(v)
         kw[f.name] = v
     return cls(**kw)
 
@@ -426,4 +459,4 @@ def config_to_dict(cfg: EngineConfig) -> dict:
 
 def config_from_dict(d: dict) -> EngineConfig:
     """Inverse of config_to_dict; validates like any construction."""
-    return _from_dict(EngineConfig, d)
+    return from_dict_checked(EngineConfig, d)

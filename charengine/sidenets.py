@@ -22,6 +22,20 @@ class SideNets(torch.nn.Module):
         self.text_encoder = TextEncoder(spec)
 
 
+def side_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every side-network tensor's name and shape (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in SideNets(spec).state_dict().items()}
+
+
+def check_side(spec: ModelSpec, state: dict[str, torch.Tensor], where: str) -> None:
+    """A checkpoint's side networks, checked like its block tensors: names, shapes, dtypes
+    and finite values, one line naming the first tensor that is wrong."""
+    from .weights import check_tensors
+
+    check_tensors(side_shapes(spec), state, where, f"{spec.name}'s side networks")
+
+
 def random_side_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

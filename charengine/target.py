@@ -9,7 +9,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import EngineConfig, Numerics, Switches, preset
+from .config import EngineConfig, Numerics, Switches, check_field_type, from_dict_checked, preset
 
 DECODER_PLACEMENTS = ("own-gpu", "shared")
 
@@ -57,13 +57,22 @@ class Target:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Target":
+        if not isinstance(d, dict):
+            raise TypeError(f"target: expected an object, got {type(d).__name__}")
         d = dict(d)
-        sw = Switches(**d.pop("switches", {}))
-        nm = Numerics(**d.pop("numerics", {}))
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        where = f"target {d.get('name', '?')}"
+        sw = from_dict_checked(Switches, d.pop("switches", {}), f"{where}: switches")
+        nm = from_dict_checked(Numerics, d.pop("numerics", {}), f"{where}: numerics")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(known))
         if unknown:
-            raise ValueError(f"target {d.get('name', '?')}: unknown field {unknown[0]!r}")
+            raise ValueError(f"{where}: unknown field {unknown[0]!r}")
+        missing = sorted(n for n, f in known.items() if n not in d and n not in
+                         ("switches", "numerics") and f.default is dataclasses.MISSING)
+        if missing:
+            raise ValueError(f"{where}: missing field {missing[0]!r}")
+        for name, v in d.items():
+            check_field_type(f"{where}: {name}", str(known[name].type), v)
         return cls(switches=sw, numerics=nm, **d)
 
     @classmethod

@@ -100,23 +100,35 @@ class RandomWeights(Mapping):
         return len(self.shapes)
 
 
-def check_state(spec: ModelSpec, state: dict[str, torch.Tensor], where: str) -> None:
-    want = param_shapes(spec)
+def check_tensors(want: dict[str, tuple[int, ...]], state: Mapping, where: str, what: str,
+                  dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
+    """Names, shapes, dtypes and finite values of `state` against `want`; the first mismatch
+    is one CheckpointError line naming the tensor (`what` names the layout in messages)."""
     missing = [n for n in want if n not in state]
     if missing:
         raise CheckpointError(f"{where}: missing tensor {missing[0]!r} (shape {list(want[missing[0]])}"
-                              f" for {spec.name}){f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
+                              f" for {what}){f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
     extra = sorted(set(state) - set(want))
     if extra:
-        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r}: not part of {spec.name}'s layout")
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r}: not part of {what}'s layout")
+    names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
     for name, shape in want.items():
         t = state[name]
-        if tuple(t.shape) != shape:
+        if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{where}: tensor {name!r} has shape {list(t.shape)}, "
-                                  f"{spec.name} needs {list(shape)}")
-        if t.dtype not in FLOAT_DTYPES:
+                                  f"{what} needs {list(shape)}")
+        if t.dtype not in dtypes:
             raise CheckpointError(f"{where}: tensor {name!r} has dtype {t.dtype}, expected one of "
-                                  "float32, bfloat16, float16")
+                                  f"{names}")
+        bad = int(t.numel() - torch.isfinite(t).sum())
+        if bad:
+            raise CheckpointError(f"{where}: tensor {name!r} holds {bad} non-finite value"
+                                  f"{'s' if bad > 1 else ''} (NaN or infinity); the checkpoint "
+                                  "is damaged or was saved from a diverged run")
+
+
+def check_state(spec: ModelSpec, state: dict[str, torch.Tensor], where: str) -> None:
+    check_tensors(param_shapes(spec), state, where, spec.name)
 
 
 def load_checkpoint(path: str | Path, spec: ModelSpec, side_prefixes: tuple[str, ...] = ()):

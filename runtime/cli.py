@@ -4,6 +4,7 @@ image and speech into an MP4."""
 from __future__ import annotations
 
 import signal
+import socket
 import statistics
 import sys
 import threading
@@ -19,6 +20,8 @@ from charengine import audio as audio_mod
 
 from .distributed import RankFailure
 from .engine import Engine, EngineError
+from .formats import (DEFAULT_BACKGROUND, FIT_POLICIES, MAX_IMAGE_PIXELS, VIDEO_SUFFIXES,
+                      ImageFit)
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -71,23 +74,82 @@ def ready_check(engine_dir: Path) -> None:
                "at start")
 
 
+class Stop:
+    """SIGINT and SIGTERM (what `docker stop` and `timeout` send) while a render runs: the
+    first takes effect between steps, so the MP4 holds whole steps with their audio; a
+    second, or one before any step could be kept, stops at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.generating = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self)
+
+    def __call__(self, signum, _frame):
+        if self.signum is not None or not self.generating:
+            self.signum = self.signum or signum
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGINT).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGINT)
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port this process cannot listen on, before the engine loads."""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as e:
+        raise click.ClickException(f"--port {port}: cannot listen on {host}:{port} "
+                                   f"({e.strerror or e}); choose another port or stop what "
+                                   "uses it") from None
+
+
+def side_networks_note(engine: Engine) -> str | None:
+    """A warning line where the engine's side networks (or weights) are random."""
+    m = engine.manifest
+    side, weights = m.get("side_networks"), m.get("weights") or {}
+    parts = []
+    if isinstance(weights, dict) and "random_seed" in weights:
+        parts.append(f"its weights are random (seed {weights['random_seed']})")
+    if isinstance(side, str) and side != "checkpoint":
+        parts.append(f"its side networks (audio encoder, decoder, image and text encoders) are "
+                     f"{side}")
+    if not parts:
+        return None
+    return (f"charrun: engine {engine.target.name}: {' and '.join(parts)}; the frames are not "
+            "a trained model's")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--engine", "engine_dir", type=click.Path(path_type=Path), required=True,
               help="Engine directory written by charbuild.")
 @click.option("--image", type=click.Path(path_type=Path),
-              help="Reference image of the character (PNG, JPEG, ...).")
+              help="Reference image of the character (PNG, JPEG, WebP, ...; at most "
+                   f"{MAX_IMAGE_PIXELS // 1_000_000} megapixels).")
+@click.option("--fit", type=click.Choice(list(FIT_POLICIES)), default="cover", show_default=True,
+              help="How an image of another shape is fitted to the model's frame: "
+                   + "; ".join(f"{k}: {v}" for k, v in FIT_POLICIES.items()) + ".")
+@click.option("--background", default=DEFAULT_BACKGROUND, show_default=True,
+              help="Colour that transparent pixels (and contain's margins) are laid on.")
 @click.option("--audio", "audio_path", type=click.Path(path_type=Path),
               help="Speech (any format and rate PyAV reads; converted to 16 kHz mono).")
-@click.option("--out", type=click.Path(path_type=Path), help="MP4 to write.")
+@click.option("--out", type=click.Path(path_type=Path),
+              help=f"Video to write ({', '.join(VIDEO_SUFFIXES)}).")
 @click.option("--prompt", default="", help="Text prompt.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
 @click.option("--serve", is_flag=True, help="Serve a local page that streams over WebRTC.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve on.")
-@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
 @click.option("--ice-server", "ice_servers", multiple=True,
               help="STUN/TURN URL for WebRTC (none by default: loopback and LAN only).")
-@click.option("--slack", type=int, default=2, show_default=True,
-              help="Finished steps that may queue ahead of playback.")
+@click.option("--slack", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Finished steps that may queue ahead of playback (at least 1).")
 @click.option("--livekit", is_flag=True,
               help="Run a LiveKit avatar worker (needs charengine[livekit] and LIVEKIT_URL, "
                    "LIVEKIT_API_KEY, LIVEKIT_API_SECRET).")
@@ -97,44 +159,98 @@ def ready_check(engine_dir: Path) -> None:
               help="Load the engine and get ready (kernels loaded, warm-up, step graphs "
                    "captured), report what it took and how many kernels had to be compiled, "
                    "and exit.")
-def main(engine_dir, image, audio_path, out, prompt, seed, serve, host, port, ice_servers, slack,
-         livekit, agent_name, check):
+def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serve, host, port,
+         ice_servers, slack, livekit, agent_name, check):
     """Render a talking character (the image animated to the speech, H.264 + AAC MP4), or
     with --serve stream one over WebRTC to a local page."""
-    err = Console(stderr=True)
     if check:
         return ready_check(engine_dir)
-    from .media import MediaError, read_audio, read_image  # PyAV: not needed by --check
-    from .render import Rendered, render
-    if not (serve or livekit) and not (image and audio_path and out):
+    from .media import MediaError, check_video_out
+
+    try:
+        image_fit = ImageFit(fit, background)
+    except MediaError as e:
+        raise click.BadParameter(str(e), param_hint="--background") from None
+    if serve or livekit:
+        if serve:
+            check_port(host, port)
+        return serve_live(engine_dir, serve, livekit, host, port, list(ice_servers), slack,
+                          agent_name, image_fit)
+    if not (image and audio_path and out):
         raise click.UsageError("give --image, --audio and --out, or --serve, or --livekit")
+    try:
+        check_video_out(out)
+    except MediaError as e:
+        raise click.ClickException(str(e)) from None
+    render_file(engine_dir, image, image_fit, audio_path, out, prompt, seed)
+
+
+def serve_live(engine_dir, serve, livekit, host, port, ice_servers, slack, agent_name,
+               image_fit) -> None:
+    """--serve or --livekit: one engine, one session at a time, until SIGINT or SIGTERM,
+    which end the session in progress and every rank process."""
+    from .distributed import open_worker
+
+    try:
+        engine = Engine.load(engine_dir, verify_in_background=True)
+        if livekit:
+            try:
+                from .livekit_avatar import LiveKitSetupError, run_worker
+            except ImportError:
+                raise click.ClickException("--livekit needs the livekit extra: pip install "
+                                           "'charengine[livekit]'") from None
+        worker = open_worker(engine)  # TP engines: rank 0 here, one process per TP rank
+        note = side_networks_note(engine)
+        if note:
+            click.echo(note, err=True)
+    except (EngineError, RankFailure) as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        sys.exit(130)
+    try:
+        if livekit:
+            try:
+                return run_worker(worker, agent_name, image_fit=image_fit)
+            except LiveKitSetupError as e:
+                raise click.ClickException(str(e)) from None
+        from .server import ServeError, serve as run_server
+
+        try:
+            return run_server(worker, host, port, ice_servers, slack, image_fit)
+        except ServeError as e:
+            raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        pass
+    finally:
+        worker.close()
+
+
+def render_file(engine_dir, image, image_fit, audio_path, out, prompt, seed) -> None:
+    from .images import load_image
+    from .media import MediaError, read_audio
+    from .render import Rendered, render
+
+    err = Console(stderr=True)
+    stop = Stop()
+    warn = lambda line: click.echo(f"charrun: warning: {line}", err=True)  # noqa: E731
     try:
         engine = Engine.load(engine_dir, verify_in_background=True)
         spec = engine.config.model
-        if serve or livekit:
-            from .distributed import open_worker
-
-            worker = open_worker(engine)  # TP engines: rank 0 here, one process per TP rank
-            if livekit:
-                try:
-                    from .livekit_avatar import LiveKitSetupError, run_worker
-                except ImportError:
-                    raise click.ClickException("--livekit needs the livekit extra: pip install "
-                                               "'charengine[livekit]'") from None
-                try:
-                    return run_worker(worker, agent_name)
-                except LiveKitSetupError as e:
-                    raise click.ClickException(str(e)) from None
-            from .server import serve as run_server
-
-            return run_server(worker, host, port, list(ice_servers), slack)
-        speech = read_audio(audio_path, spec.side.sample_rate)
-        picture = read_image(image, spec.out_h, spec.out_w)
+        speech = read_audio(audio_path, spec.side.sample_rate, warn=warn)
+        picture = load_image(image, spec.out_h, spec.out_w, image_fit)
         from .distributed import open_worker
 
         worker = open_worker(engine)
+        note = side_networks_note(engine)
+        if note:
+            click.echo(note, err=True)
+        click.echo(f"charrun: {image}: {picture.describe()}", err=True)
     except (EngineError, MediaError, RankFailure) as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo(f"charrun: stopped by {stop.name} before any step; {out} was not written",
+                   err=True)
+        sys.exit(stop.exit_code)
 
     steps = audio_mod.steps_for(spec, speech.numel())
     t0 = time.perf_counter()
@@ -142,46 +258,39 @@ def main(engine_dir, image, audio_path, out, prompt, seed, serve, host, port, ic
                         TextColumn("{task.fields[fps]:.1f} fps (real time {task.fields[rt]})"),
                         TimeElapsedColumn(), console=err)
 
-    # Ctrl-C takes effect between steps, so the MP4 always holds whole steps with their audio;
-    # a second Ctrl-C stops at once.
-    interrupt = threading.Event()
-
-    def on_sigint(*_):
-        if interrupt.is_set():
-            raise KeyboardInterrupt
-        interrupt.set()
-
-    signal.signal(signal.SIGINT, on_sigint)
-
     def on_step(done):
         if done == 1:
             click.echo("charrun: first frames written", err=True)
         fps = done * spec.frames_per_latent / (time.perf_counter() - t0)
         progress.update(task, completed=done, fps=fps)
-        if interrupt.is_set():
+        if stop.signum is not None:
             raise KeyboardInterrupt
+
+    def holds(result) -> str:
+        if not result.written:
+            return f"{out} was not written (no frames were made)"
+        return f"{out} holds {result.frames} frames"
 
     result = Rendered()
     try:
         with progress:
             task = progress.add_task("steps", total=steps, fps=0.0, rt=spec.fps)
-            render(worker, picture, prompt, speech, out, seed, on_step, result)
+            stop.generating = True
+            render(worker, picture.pixels, prompt, speech, out, seed, on_step, result)
+            stop.generating = False
     except KeyboardInterrupt:
         worker.close()
-        frames = result.steps * spec.frames_per_latent
-        click.echo(f"charrun: interrupted after {result.steps} steps; {out} holds {frames} "
-                   "frames", err=True)
-        sys.exit(130)
+        click.echo(f"charrun: stopped by {stop.name} after {result.steps} steps; "
+                   f"{holds(result)}", err=True)
+        sys.exit(stop.exit_code)
     except Exception as e:  # noqa: BLE001 - one line, and the MP4 so far is kept
         worker.close()
-        frames = result.steps * spec.frames_per_latent
         raise click.ClickException(f"session failed after {result.steps} steps "
-                                   f"({type(e).__name__}: {e}); {out} holds {frames} frames") from None
+                                   f"({type(e).__name__}: {e}); {holds(result)}") from None
     worker.close()
     wall = time.perf_counter() - t0
     err.print(summary_table(result.times, result.steps, wall, spec.fps, spec.frames_per_latent))
-    click.echo(f"wrote {out}: {result.steps * spec.frames_per_latent} frames at {spec.fps} fps "
-               "with audio")
+    click.echo(f"wrote {out}: {result.frames} frames at {spec.fps} fps with audio")
 
 
 if __name__ == "__main__":

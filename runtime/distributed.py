@@ -14,22 +14,29 @@ shape, the fused GEMM + all-reduce over symmetric memory), and it loads its engi
 kernels and warms up with the others before rank 0 calls the group ready. Live sessions
 stream steps to the ranks one at a time (RemotePipeline).
 
-Faults: collectives time out (`timeout_s`), so a hung rank is detected, and a rank that dies
-breaks its peers' collectives; either ends the session with a RankFailure on rank 0, and
-the group is started afresh for the next session.
+Faults: every hand-off in a session times out (`timeout_s`), so a hung rank is detected,
+and a rank that dies breaks its peers' collectives; either ends the session with a
+RankFailure on rank 0, and the group is started afresh for the next session (also where a
+rank died while idle). Between sessions the ranks wait for the next command on a group
+without a timeout, for as long as rank 0 lives; they leave with it. At start-up each rank
+reports its stages through the store while rank 0 watches the processes, so a rank that
+dies while starting ends the start at once, in one line naming it.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 
+import multiprocessing as mp
+
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from charengine import audio as audio_mod
 from charengine.warmup import warm_up, warm_up_side
@@ -66,22 +73,69 @@ def fused_exchange(cfg, tp_group, device: torch.device):
     return gemm_allreduce.SymmetricGemmAllReduce(x)
 
 
+# Idle ranks wait for the next command on a group of their own for as long as the server
+# lives; every hand-off inside a session keeps the session timeout, so a hung rank is caught.
+IDLE_TIMEOUT = datetime.timedelta(days=3650)
+# Start-up stages each TP rank reports through the store; rank 0 waits for each while it
+# watches the processes, so a rank that dies while starting ends the start at once.
+STAGES = ("joined", "loaded", "ready")
+POLL_S = 0.05
+FAULT_SETTLE_S = 3.0  # a start-up collective broke: time for the rank that broke it to exit
+PARENT_POLL_S = 0.2
+
+
+def _stage_key(stage: str, rank: int) -> str:
+    return f"charengine/{stage}/{rank}"
+
+
+def _detach_from_rank0() -> None:
+    """A TP rank's own process group and session: Ctrl-C at a terminal reaches rank 0 alone,
+    which stops the ranks between steps; the rank exits by itself within PARENT_POLL_S once
+    rank 0 is gone, whatever thread started it."""
+    import ctypes
+    import threading
+
+    try:
+        os.setsid()
+    except OSError:
+        pass
+    try:  # torch's spawn wrapper signals a rank when the *thread* that started it ends
+        ctypes.CDLL(None).prctl(1, 0)  # PR_SET_PDEATHSIG, 0
+    except (OSError, AttributeError):
+        pass
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rank0-watch", daemon=True).start()
+
+
 def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: float,
                   ready_timeout_s: float, log_dir: str):
     """A TP rank's process: global rank = rank + 1. Control and hand-offs to rank 0 go over
     gloo on CPU tensors; the TP group's all-reduce is NCCL on GPUs (or the fused kernel at
-    the steady shape), gloo on CPU."""
+    the steady shape), gloo on CPU. Any error is written for rank 0 to report, and the
+    process exits 1 without printing it."""
+    _detach_from_rank0()
     torch.set_num_threads(1)
     grank = rank + 1
     try:
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=grank,
-                                world_size=world, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=False,
+                              timeout=timeout)
+        store.set(_stage_key("joined", rank), "1")
+        dist.init_process_group("gloo", store=store, rank=grank, world_size=world,
+                                timeout=timeout)
         # checksums run while the weights load; the rank is ready (barrier below) after both
         engine = Engine.load(engine_dir, ranks=[rank], verify_in_background=True)
         device = torch.device(engine.target.rank_devices()["tp"][rank])
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        store.set(_stage_key("loaded", rank), "1")
+        control = dist.new_group(list(range(world)), timeout=IDLE_TIMEOUT, backend="gloo")
         tp_group = dist.new_group(list(range(1, world)), timeout=timeout,
                                   backend="nccl" if device.type == "cuda" else "gloo")
 
@@ -97,13 +151,14 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
             session = load_rank(engine, rank, device, all_reduce, fused)
         if device.type == "cuda":
             warm_up(session)  # in step with the other TP ranks: the same collectives
+        store.set(_stage_key("ready", rank), "1")
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=ready_timeout_s))
         lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
         times = []
         with torch.inference_mode():
             while True:
                 cmd = torch.zeros(3, dtype=torch.long)
-                dist.broadcast(cmd, 0)
+                dist.broadcast(cmd, 0, group=control)  # idle: no timeout
                 if cmd[0] == CMD_STOP:
                     break
                 steps, seed = int(cmd[1]), int(cmd[2])
@@ -140,10 +195,34 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
         if kernels is not None:
             kernels.close()
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - written for rank 0 to report
-        with open(os.path.join(log_dir, f"rank{grank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    except BaseException:  # noqa: BLE001 - written for rank 0 to report, in one line
+        try:
+            with open(os.path.join(log_dir, f"rank{grank}.err"), "w") as f:
+                f.write(traceback.format_exc())
+        finally:
+            os._exit(1)
+
+
+class _Ranks:
+    """The TP ranks' processes (spawned, not forked: CUDA and gloo start clean in each)."""
+
+    def __init__(self, processes):
+        self.processes = processes
+
+    def dead(self) -> list[int]:
+        """Global ranks (1..tp) whose process has exited."""
+        return [i + 1 for i, p in enumerate(self.processes) if p.exitcode is not None]
+
+    def stop(self, grace_s: float) -> None:
+        """Wait up to grace_s for every rank to exit, then kill the rest."""
+        deadline = time.monotonic() + grace_s
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self.processes:
+            p.join(5)
 
 
 class DistributedWorker:
@@ -151,23 +230,32 @@ class DistributedWorker:
     Same interface as Worker (start, run) so render() and charrun use either."""
 
     def __init__(self, engine: Engine, timeout_s: float = 60.0, log_dir: str | None = None,
-                 ready_timeout_s: float = 600.0):
+                 ready_timeout_s: float = 600.0, stop_grace_s: float = 1.5):
         """`timeout_s` bounds every hand-off in a session (a hung rank); `ready_timeout_s`
-        bounds the ranks' start: weights, kernels, warm-up."""
+        bounds the ranks' start: weights, kernels, warm-up; `stop_grace_s` is how long
+        close() lets the ranks exit before it kills them."""
         from charengine.sidenets import load_side
 
         engine.verified()
         self.engine, self.cfg, self.spec = engine, engine.config, engine.config.model
         self.timeout_s, self.ready_timeout_s = timeout_s, ready_timeout_s
+        self.stop_grace_s = stop_grace_s
         self.decoder_device = torch.device(engine.target.rank_devices()["decoder"])
         self.side = load_side(self.spec, engine.side_state(), self.decoder_device)
         if self.decoder_device.type == "cuda":
             warm_up_side(self.side, self.spec, self.decoder_device)
-        self.log_dir = log_dir or os.path.join("/tmp", f"charengine-ranks-{os.getpid()}")
+        self.own_log_dir = log_dir is None
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="charengine-ranks-")
         os.makedirs(self.log_dir, exist_ok=True)
-        self.ctx = None
+        self.ctx: _Ranks | None = None
+        self.store = None
+        self.control = None
         self.pending_start = None
-        self._launch()
+        try:
+            self._launch()
+        except BaseException:
+            self._remove_log_dir()
+            raise
 
     # ---- the group ------------------------------------------------------------------
     def _launch(self) -> None:
@@ -176,77 +264,125 @@ class DistributedWorker:
             stale = os.path.join(self.log_dir, f"rank{r}.err")
             if os.path.exists(stale):
                 os.remove(stale)
-        port = free_port()
-        self.ctx = mp.start_processes(
-            _tp_rank_main, args=(world, port, str(self.engine.path), self.timeout_s,
-                                 self.ready_timeout_s, self.log_dir),
-            nprocs=self.cfg.tp, join=False, start_method="spawn")
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=world, timeout=timeout)
-        # every rank joins every group's creation, with the TP ranks' backend
-        dist.new_group(list(range(1, world)), timeout=timeout,
-                       backend="nccl" if self.engine.target.device == "cuda" else "gloo")
-        try:  # ready: every rank has loaded and warmed up
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True,
+                                   timeout=timeout, wait_for_workers=False)
+        spawn = mp.get_context("spawn")
+        self.ctx = _Ranks([spawn.Process(
+            target=_tp_rank_main, name=f"charengine-rank{r + 1}",
+            args=(r, world, self.store.port, str(self.engine.path), self.timeout_s,
+                  self.ready_timeout_s, self.log_dir)) for r in range(self.cfg.tp)])
+        for p in self.ctx.processes:
+            p.start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        try:
+            self._await_stage("joined", deadline)
+            dist.init_process_group("gloo", store=self.store, rank=0, world_size=world,
+                                    timeout=timeout)
+            self._await_stage("loaded", deadline)
+            # every rank joins every group's creation, with the TP ranks' backend
+            self.control = dist.new_group(list(range(world)), timeout=IDLE_TIMEOUT,
+                                          backend="gloo")
+            dist.new_group(list(range(1, world)), timeout=timeout,
+                           backend="nccl" if self.engine.target.device == "cuda" else "gloo")
+            self._await_stage("ready", deadline)  # every rank has loaded and warmed up
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.ready_timeout_s))
-        except RuntimeError as e:
+        except (RuntimeError, TimeoutError) as e:
             raise self._failure(e, self.ready_timeout_s) from None
+        except BaseException as e:  # Ctrl-C while the ranks start
+            self._failure(e)
+            raise
+
+    def _await_stage(self, stage: str, deadline: float) -> None:
+        keys = [_stage_key(stage, r) for r in range(self.cfg.tp)]
+        while not self.store.check(keys):
+            if self.ctx.dead():
+                raise RuntimeError(f"a rank exited before it was {stage}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the ranks were not {stage} in time")
+            time.sleep(POLL_S)
 
     def _failure(self, e: BaseException, waited_s: float | None = None) -> RankFailure:
         """Tear the group down after a fault; describe it in one line (with the last line of
         a rank's own error, when it wrote one). `waited_s`: the start-up's timeout, when the
         fault came while the ranks were getting ready."""
         procs = self.ctx.processes
-        if waited_s is not None:  # at start-up: a rank that failed to load may be exiting
-            settle = time.monotonic() + 3.0
-            while time.monotonic() < settle and all(p.is_alive() for p in procs):
-                time.sleep(0.05)
-        dead = [i + 1 for i, p in enumerate(procs) if not p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(5)
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - the group is already broken
-            pass
-        self.ctx = None
-        what = (f"rank {', '.join(map(str, dead))} died (exit "
-                f"{', '.join(str(procs[r - 1].exitcode) for r in dead)})" if dead
-                else f"a rank did not answer within {waited_s or self.timeout_s:g} s")
+        if waited_s is not None and isinstance(e, (RuntimeError, TimeoutError)):
+            settle = time.monotonic() + FAULT_SETTLE_S  # a rank that failed may be exiting
+            while time.monotonic() < settle and not self.ctx.dead():
+                time.sleep(POLL_S)
+        dead = self.ctx.dead()
+        self.ctx.stop(0.0)
+        self._drop_group()
+        errors = {}
         for r in dead:
             err = os.path.join(self.log_dir, f"rank{r}.err")
             if os.path.isfile(err):
-                lines = [ln for ln in open(err).read().splitlines() if ln.strip()]
+                lines = [ln.strip() for ln in open(err).read().splitlines() if ln.strip()]
                 if lines:
-                    what += f": {lines[-1].strip()}"
-                    break
-        return RankFailure(f"session failed: {what} ({type(e).__name__})")
+                    errors[r] = lines[-1]
+        waited = f"{waited_s or self.timeout_s:g} s"
+        timed_out = [r for r, line in errors.items() if "Timed out" in line]
+        if dead and len(timed_out) == len(dead):  # they gave up on a peer that hangs
+            what = (f"a rank did not answer within {waited} (rank "
+                    f"{', '.join(map(str, timed_out))} timed out waiting for it)")
+        elif dead:
+            what = (f"rank {', '.join(map(str, dead))} died (exit "
+                    f"{', '.join(str(procs[r - 1].exitcode) for r in dead)})")
+            first = next((errors[r] for r in dead if r in errors and r not in timed_out), None)
+            if first:
+                what += f": {first}"
+        else:
+            what = f"a rank did not answer within {waited}"
+        when = "start-up failed" if waited_s is not None else "session failed"
+        return RankFailure(f"{when}: {what} ({type(e).__name__})")
+
+    def _drop_group(self) -> None:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the group is already broken
+            pass
+        self.ctx = self.store = self.control = None
+
+    def _remove_log_dir(self) -> None:
+        if self.own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def alive(self) -> bool:
+        """Every rank process is running (a rank that died while idle is found here)."""
+        return self.ctx is not None and not self.ctx.dead()
+
+    def ensure_ranks(self) -> None:
+        """Before a session: a fresh group where the last one ended in a fault or a rank
+        died while idle."""
+        if self.ctx is not None and self.ctx.dead():
+            self._failure(RuntimeError("a rank died while idle"))
+        if self.ctx is None:
+            self._launch()
 
     def close(self) -> None:
+        """Stop the ranks (within stop_grace_s, then they are killed) and remove their
+        logs."""
         if self.ctx is None:
+            self._remove_log_dir()
             return
         try:
-            dist.broadcast(torch.tensor([CMD_STOP, 0, 0]), 0)
-            # join() returns as soon as one process has exited: wait for all of them before
-            # the store they still talk to goes away with the group
-            deadline = time.monotonic() + self.timeout_s
-            while not self.ctx.join(max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    break
+            if not self.ctx.dead():
+                work = dist.broadcast(torch.tensor([CMD_STOP, 0, 0]), 0, group=self.control,
+                                      async_op=True)
+                work.wait()
+            self.ctx.stop(self.stop_grace_s)
+        except RuntimeError:
+            self.ctx.stop(0.0)
         finally:
-            for p in self.ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            dist.destroy_process_group()
-            self.ctx = None
+            self._drop_group()
+            self._remove_log_dir()
 
     # ---- sessions -------------------------------------------------------------------
     @torch.inference_mode()
     def start(self, image: torch.Tensor, prompt: str) -> None:
-        if self.ctx is None:  # the last session ended in a fault: a fresh group
-            self._launch()
+        self.ensure_ranks()
         self.side.decoder.reset()
         self.pending_start = (
             self.side.image_encoder(image.to(self.decoder_device)).cpu().contiguous(),
@@ -263,7 +399,7 @@ class DistributedWorker:
         lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
         ref, prompt = self.pending_start
         try:
-            dist.broadcast(torch.tensor([CMD_STEPS, steps, seed]), 0)
+            dist.broadcast(torch.tensor([CMD_STEPS, steps, seed]), 0, group=self.control)
             dist.broadcast(ref, 0)
             dist.broadcast(prompt, 0)
             for i in range(steps + 1):
@@ -308,7 +444,8 @@ class RemotePipeline(Pipeline):
     def _diffuse(self, i: int, feats: torch.Tensor) -> torch.Tensor:
         if not self.opened:
             ref, prompt = self.worker.pending_start
-            dist.broadcast(torch.tensor([CMD_STREAM, 0, self.seed]), 0)
+            dist.broadcast(torch.tensor([CMD_STREAM, 0, self.seed]), 0,
+                           group=self.worker.control)
             dist.broadcast(ref, 0)
             dist.broadcast(prompt, 0)
             self.opened = True
@@ -323,8 +460,7 @@ class RemotePipeline(Pipeline):
 
     def run(self, steps, sink) -> StepTimes:
         w = self.worker
-        if w.ctx is None:
-            w._launch()
+        w.ensure_ranks()
         try:
             times = super().run(steps, sink)
             if self.opened:  # every sent step was received: the ranks wait for a flag

@@ -76,6 +76,37 @@ def check_quack(target: Target, need: dict | None) -> None:
                           "version, or rebuild the engine here with charbuild")
 
 
+# The manifest's top-level fields and the JSON types they must have.
+MANIFEST_FIELDS = {"format_version": int, "target": dict, "config": dict, "tp": int,
+                   "ranks": list, "kernels": dict, "files": dict}
+
+
+def check_manifest(mpath: Path, manifest) -> None:
+    """A manifest that is JSON but not an engine's: one EngineError line naming the field."""
+    def bad(what: str):
+        return EngineError(f"{mpath}: {what}; the manifest is damaged or was not written by "
+                           "charbuild: rebuild the engine")
+
+    if not isinstance(manifest, dict):
+        raise bad(f"expected a JSON object, found {type(manifest).__name__}")
+    for name, kind in MANIFEST_FIELDS.items():
+        if name not in manifest:
+            raise bad(f"no field {name!r}")
+        v = manifest[name]
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise bad(f"field {name!r} is {type(v).__name__}, expected {kind.__name__}")
+    if not all(isinstance(r, int) and not isinstance(r, bool) for r in manifest["ranks"]):
+        raise bad("field 'ranks' holds something other than rank numbers")
+    for name, entry in manifest["files"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+                and isinstance(entry.get("sha256"), list)):
+            raise bad(f"files[{name!r}] is not {{bytes, sha256}}")
+        if name.startswith("/") or ".." in Path(name).parts:
+            raise bad(f"files[{name!r}] points outside the engine directory")
+    if not isinstance(manifest.get("built_with", {}), dict):
+        raise bad("field 'built_with' is not an object")
+
+
 def verify(path: Path, names: list[str], files: dict) -> None:
     sums = checksums(path, names)
     for name in names:
@@ -112,17 +143,18 @@ class Engine:
             manifest = json.loads(mpath.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise EngineError(f"{mpath}: unreadable manifest ({e}); rebuild the engine") from None
-        version = manifest.get("format_version")
-        if version != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        if isinstance(manifest, dict) and version != FORMAT_VERSION:
             raise EngineError(f"{path}: engine format {version}, this charrun reads format "
                               f"{FORMAT_VERSION}; rebuild it with this version's charbuild")
+        check_manifest(mpath, manifest)
         try:
             target = Target.from_dict(manifest["target"])
             config = config_from_dict(manifest["config"])
-            built = manifest["ranks"]
-            kernels = manifest["kernels"]
         except (KeyError, TypeError, ValueError) as e:
             raise EngineError(f"{mpath}: invalid target or config ({e}); rebuild the engine") from None
+        built = manifest["ranks"]
+        kernels = manifest["kernels"]
         want = list(range(config.tp)) if ranks is None else sorted(set(ranks))
         missing = sorted(set(want) - set(built))
         if missing:

@@ -73,9 +73,10 @@ class SpeechBuffer:
 
 class LiveSession:
     def __init__(self, worker: Worker, publish, slack: int = 2, metrics: Metrics | None = None,
-                 seed: int = 0, session_id: str = "", on_step_done=None):
+                 seed: int = 0, session_id: str = "", on_step_done=None, on_error=None):
         """publish(frame [3, H, W], audio [samples at 16 kHz], t, voiced) runs on the pacer's
-        thread at each frame's time."""
+        thread at each frame's time; on_error(message) runs on the session's thread when the
+        session fails (a rank died, the decoder failed), once, after it has stopped."""
         self.worker, self.spec = worker, worker.spec
         self.metrics, self.seed, self.session_id = metrics, seed, session_id
         self.speech = SpeechBuffer()
@@ -87,6 +88,8 @@ class LiveSession:
         self.pipeline: Pipeline | None = None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.on_error = on_error
+        self.stopping = False
 
     # ---- control (any thread) ---------------------------------------------------------
     def start(self, image: torch.Tensor, prompt: str = "") -> None:
@@ -115,6 +118,7 @@ class LiveSession:
 
     def stop(self) -> float | None:
         """End the session; returns its average fps as the metrics saw it."""
+        self.stopping = True
         if self.pipeline is not None:
             self.pipeline.stop.set()
         self.pacer.close()  # wakes a sink waiting in push()
@@ -146,7 +150,9 @@ class LiveSession:
             self.pipeline.run(None, self._sink)
         except BaseException as e:  # noqa: BLE001 - the session ends; the cause is kept and logged
             self.error = e
-            log.exception("live session %s failed", self.session_id)
+            log.error("live session %s failed: %s", self.session_id, e)
+            if self.on_error is not None and not self.stopping:
+                self.on_error(str(e))
 
 
 def wait_until(pred, timeout: float, poll: float = 0.01) -> bool:

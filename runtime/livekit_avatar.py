@@ -37,8 +37,9 @@ from livekit.agents.voice.avatar import (AudioSegmentEnd, AvatarOptions, AvatarR
                                          DataStreamAudioReceiver, QueueAudioOutput,
                                          VideoGenerator)
 
+from .formats import ImageFit
+from .images import read_image
 from .live import LiveSession
-from .media import read_image
 from .metrics import Metrics
 from .pacer import Step
 from .worker import Worker
@@ -49,6 +50,10 @@ AGENT_NAME = "charengine-avatar"
 
 class LiveKitSetupError(RuntimeError):
     pass
+
+
+class SessionFailed(RuntimeError):
+    """The live session behind the avatar failed (a rank died): the job ends with it."""
 
 
 def frame_samples(rate: int, fps: int) -> int:
@@ -68,8 +73,11 @@ class CharacterVideoGenerator(VideoGenerator):
         self.width, self.height = spec.out_w, spec.out_h
         self.loop = asyncio.get_running_loop()
         self.out: asyncio.Queue = asyncio.Queue()
+        self.failed: asyncio.Future = self.loop.create_future()
         self.session = LiveSession(worker, self._publish, slack, metrics,
-                                   on_step_done=self._step_done)
+                                   on_step_done=self._step_done,
+                                   on_error=lambda msg: self.loop.call_soon_threadsafe(
+                                       self._fail, msg))
         self._in_rs: dict[tuple[int, int], av.AudioResampler] = {}
         self._out_rs = av.AudioResampler(format="s16", layout="mono", rate=audio_rate)
         self._fifo = np.zeros(0, dtype=np.int16)
@@ -108,9 +116,17 @@ class CharacterVideoGenerator(VideoGenerator):
     def __aiter__(self) -> AsyncIterator[rtc.VideoFrame | rtc.AudioFrame | AudioSegmentEnd]:
         return self._frames()
 
+    def _fail(self, message: str) -> None:
+        if not self.failed.done():
+            self.failed.set_result(message)
+        self.out.put_nowait(SessionFailed(message))
+
     async def _frames(self):
         while True:
-            yield await self.out.get()
+            item = await self.out.get()
+            if isinstance(item, SessionFailed):
+                raise item
+            yield item
 
     # ---- the pacer's thread ----------------------------------------------------------
     def _publish(self, frame: torch.Tensor, audio: torch.Tensor, t: float, voiced: bool) -> None:
@@ -186,28 +202,39 @@ class CharengineAvatarSession(AvatarSession):
             wait_remote_track=rtc.TrackKind.KIND_VIDEO)
 
 
-async def serve_room(room: rtc.Room, worker: Worker, meta: dict, audio_rate: int = 24000) -> None:
+async def serve_room(room: rtc.Room, worker: Worker, meta: dict, audio_rate: int = 24000,
+                     image_fit: ImageFit = ImageFit()) -> None:
     """The data-stream worker's job in a joined room: the character from the dispatch
     metadata (image as a data URL, prompt, the agent's identity), driven by the agent's audio
-    streams, until the runner completes or the job is cancelled."""
+    streams, until the runner completes or the job is cancelled. A session that fails (a
+    rank died) ends the job with SessionFailed, its message the cause."""
     spec = worker.spec
     image = torch.full((3, spec.out_h, spec.out_w), 0.5)
     if meta.get("image"):
-        image = read_image(base64.b64decode(meta["image"].split(",", 1)[1]), spec.out_h, spec.out_w)
+        data = base64.b64decode(meta["image"].split(",", 1)[1])
+        image = await asyncio.get_running_loop().run_in_executor(
+            None, read_image, data, spec.out_h, spec.out_w, image_fit)
     gen = CharacterVideoGenerator(worker, image, meta.get("prompt", ""), audio_rate=audio_rate)
     await gen.start()
     receiver = DataStreamAudioReceiver(room, sender_identity=meta.get("sender"))
     runner = AvatarRunner(room, audio_recv=receiver, video_gen=gen, options=gen.options())
     try:
         await runner.start()
-        await runner.wait_for_complete()
+        done = asyncio.ensure_future(runner.wait_for_complete())
+        await asyncio.wait([done, gen.failed], return_when=asyncio.FIRST_COMPLETED)
+        if gen.failed.done():
+            done.cancel()
+            raise SessionFailed(gen.failed.result())
     finally:
         await runner.aclose()
         await gen.aclose()
 
 
-def run_worker(worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 24000) -> None:
-    """charrun --livekit: an avatar worker that serves one session at a time."""
+def run_worker(worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 24000,
+               image_fit: ImageFit = ImageFit()) -> None:
+    """charrun --livekit: an avatar worker that serves one session at a time; a session
+    that fails ends its job with the error (the room sees the avatar leave) and the next
+    one starts on fresh ranks."""
     missing = [v for v in ("LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET")
                if not os.environ.get(v)]
     if missing:
@@ -226,7 +253,11 @@ def run_worker(worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 2
         busy.set()
         try:
             await ctx.connect()
-            await serve_room(ctx.room, worker, json.loads(ctx.job.metadata or "{}"), audio_rate)
+            await serve_room(ctx.room, worker, json.loads(ctx.job.metadata or "{}"), audio_rate,
+                             image_fit)
+        except SessionFailed as e:
+            log.error("session in room %s failed: %s", ctx.room.name, e)
+            ctx.shutdown(reason=f"charengine: {e}")
         finally:
             busy.clear()
 

@@ -1,20 +1,20 @@
-"""Media in and out through PyAV: speech audio to 16 kHz mono, a reference image to the
-model's frame size, and an H.264 + AAC MP4 writer whose audio rides with its frames."""
+"""Media in and out through PyAV: speech audio to 16 kHz mono (its declared length kept,
+non-finite samples refused) and an H.264 + AAC MP4 writer whose audio rides with its
+frames. Reference images are read by images.py."""
 
 from __future__ import annotations
 
 import io
+import os
+import tempfile
 from fractions import Fraction
 from pathlib import Path
 
 import av
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-
-class MediaError(ValueError):
-    pass
+from .formats import VIDEO_SUFFIXES, MediaError
 
 
 def _source(src: str | Path | bytes):
@@ -27,44 +27,48 @@ def _source(src: str | Path | bytes):
     return str(path), str(path)
 
 
-def read_audio(src: str | Path | bytes, rate: int) -> torch.Tensor:
+# Audio whose container declares a length is cut to it (encoders pad their last frame); one
+# that ends this much before its declared length is reported as truncated.
+TRUNCATED_TOLERANCE_S = 0.05
+
+
+def read_audio(src: str | Path | bytes, rate: int, warn=None) -> torch.Tensor:
     """Any audio file PyAV decodes (a path or its bytes) -> mono float32 samples at `rate`
-    (stereo is averaged by the resampler, other rates converted)."""
+    (stereo is averaged by the resampler, other rates converted), as long as the container
+    says it is (an encoder's padding of the last frame dropped). Audio with NaN or infinite
+    samples is refused; `warn(line)` hears of a file that ends before its declared length."""
     f, path = _source(src)
     try:
         with av.open(f) as c:
             if not c.streams.audio:
                 raise MediaError(f"{path}: not an audio file (no audio stream)")
+            stream = c.streams.audio[0]
+            declared = (float(stream.duration * stream.time_base) if stream.duration
+                        else c.duration / av.time_base if c.duration else None)
             rs = av.AudioResampler(format="flt", layout="mono", rate=rate)
             chunks = []
-            for frame in c.decode(c.streams.audio[0]):
+            for frame in c.decode(stream):
                 chunks += [f.to_ndarray().reshape(-1) for f in rs.resample(frame)]
             chunks += [f.to_ndarray().reshape(-1) for f in rs.resample(None)]
     except av.FFmpegError as e:
         raise MediaError(f"{path}: not an audio file ({e})") from None
     if not chunks:
         raise MediaError(f"{path}: the audio stream holds no samples")
-    return torch.from_numpy(np.concatenate(chunks).astype(np.float32))
-
-
-def read_image(src: str | Path | bytes, height: int, width: int) -> torch.Tensor:
-    """An image file (a path or its bytes) -> [3, height, width] in [0, 1]: scaled to cover,
-    then center-cropped."""
-    f, path = _source(src)
-    try:
-        with av.open(f) as c:
-            if not c.streams.video:
-                raise MediaError(f"{path}: not an image (no picture in it)")
-            frame = next(c.decode(c.streams.video[0]))
-            rgb = frame.to_ndarray(format="rgb24")
-    except (av.FFmpegError, StopIteration) as e:
-        raise MediaError(f"{path}: not an image ({e or 'no frame'})") from None
-    x = torch.from_numpy(rgb).permute(2, 0, 1).float()[None] / 255.0
-    s = max(height / x.shape[2], width / x.shape[3])
-    x = F.interpolate(x, size=(max(height, round(x.shape[2] * s)), max(width, round(x.shape[3] * s))),
-                      mode="bilinear", align_corners=False, antialias=True)
-    top, left = (x.shape[2] - height) // 2, (x.shape[3] - width) // 2
-    return x[0, :, top: top + height, left: left + width].clamp(0, 1)
+    x = np.concatenate(chunks).astype(np.float32)
+    bad = ~np.isfinite(x)
+    if bad.any():
+        first = int(np.argmax(bad)) / rate
+        raise MediaError(f"{path}: holds {int(bad.sum())} NaN or infinite samples (the first "
+                         f"at {first:.2f} s); refused before any work: re-export the speech")
+    if declared is not None:
+        n = round(declared * rate)
+        if x.size > n:
+            x = x[:n]
+        elif x.size < n - TRUNCATED_TOLERANCE_S * rate and warn is not None:
+            warn(f"{path}: ends early: its header declares {declared:.2f} s and "
+                 f"{x.size / rate:.2f} s could be read (is the file truncated?); using what "
+                 "was read")
+    return torch.from_numpy(x)
 
 
 def write_png(path: str | Path, image: np.ndarray) -> None:
@@ -79,14 +83,39 @@ def write_png(path: str | Path, image: np.ndarray) -> None:
             c.mux(p)
 
 
+def check_video_out(path: Path) -> Path:
+    """Refuse, before any work, an output the writer could not make: a directory, a name
+    with no known container extension, or one whose directory cannot be created."""
+    if path.is_dir():
+        raise MediaError(f"--out {path}: is a directory; name the video file, e.g. "
+                         f"{path / 'out.mp4'}")
+    if path.suffix.lower() not in VIDEO_SUFFIXES:
+        raise MediaError(f"--out {path}: give a video file name ending in "
+                         f"{', '.join(VIDEO_SUFFIXES)}")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise MediaError(f"--out {path}: cannot be created: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MediaError(f"--out {path}: cannot be created: {parent} is not writable")
+    return path
+
+
 class Mp4Writer:
     """H.264 video at `fps` and AAC audio at `rate`; frames and their audio are written
-    together. close() is safe to call at any point and leaves a playable file."""
+    together into a file beside `path`, which close() moves to `path` once it holds a frame
+    (a file already at `path` is left as it was when none was written). close() is safe to
+    call at any point and leaves a playable file of every frame written (`frames`)."""
 
     def __init__(self, path: str | Path, width: int, height: int, fps: int, rate: int):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.c = av.open(str(self.path), "w")
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}.writing-",
+                                   suffix=self.path.suffix, dir=self.path.parent)
+        os.close(fd)
+        self.tmp = Path(tmp)
+        self.c = av.open(str(self.tmp), "w")
         self.v = self.c.add_stream("libx264", rate=fps)
         self.v.width, self.v.height, self.v.pix_fmt = width, height, "yuv420p"
         self.v.time_base = Fraction(1, fps)
@@ -119,7 +148,13 @@ class Mp4Writer:
         if self.closed:
             return
         self.closed = True
-        for s in (self.v, self.a):
-            for p in s.encode():
-                self.c.mux(p)
-        self.c.close()
+        try:
+            for s in (self.v, self.a):
+                for p in s.encode():
+                    self.c.mux(p)
+        finally:
+            self.c.close()
+            if self.frames:
+                os.replace(self.tmp, self.path)
+            else:
+                self.tmp.unlink(missing_ok=True)

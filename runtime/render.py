@@ -16,6 +16,8 @@ from .pipeline import StepTimes
 class Rendered:
     def __init__(self):
         self.steps = 0
+        self.frames = 0  # frames in the file (those the writer took), true after any exit
+        self.written = False  # the file exists at `out` (it holds at least one frame)
         self.times: StepTimes | None = None
 
 
@@ -33,7 +35,10 @@ def render(worker, picture: torch.Tensor, prompt: str, speech: torch.Tensor,
     def sink(i, frames):
         a, b = audio_mod.step_bounds(spec, i)
         chunk = speech[a:b]
-        writer.write(frames, torch.nn.functional.pad(chunk, (0, (b - a) - chunk.numel())))
+        try:
+            writer.write(frames, torch.nn.functional.pad(chunk, (0, (b - a) - chunk.numel())))
+        finally:
+            result.frames = writer.frames
         result.steps = i + 1
         if on_step is not None:
             on_step(result.steps)
@@ -42,5 +47,8 @@ def render(worker, picture: torch.Tensor, prompt: str, speech: torch.Tensor,
         worker.start(picture, prompt)
         result.times = worker.run(speech, steps, sink, seed=seed)
     finally:
-        writer.close()
+        try:
+            writer.close()
+        finally:
+            result.frames, result.written = writer.frames, writer.frames > 0
     return result

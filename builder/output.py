@@ -1,0 +1,127 @@
+"""Where charbuild writes: the engine is built in a fresh directory beside --out and swapped
+in at the end, only where --out is absent, empty or an engine directory (it holds an engine
+manifest and nothing the manifest does not list). Anything else is refused, in one line,
+before any work; a build that fails or is stopped leaves nothing behind (no staging
+directory, no parent directory it had to create)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from charengine.engine_format import MANIFEST
+
+
+class OutputError(ValueError):
+    pass
+
+
+def engine_entries(d: Path) -> set[str] | None:
+    """The top-level names an engine directory's manifest accounts for (itself and every
+    file it lists), or None where `d` holds no engine manifest."""
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not (isinstance(manifest, dict) and "format_version" in manifest
+            and isinstance(manifest.get("files"), dict)):
+        return None
+    return {MANIFEST, *(name.split("/", 1)[0] for name in manifest["files"])}
+
+
+def check_out(out: Path) -> Path:
+    """The absolute --out charbuild may replace; refuses any other in one line."""
+    if out.is_symlink():
+        raise OutputError(f"--out {out}: is a symbolic link; name the directory itself")
+    path = Path(os.path.abspath(out.expanduser()))
+    cwd = Path.cwd().resolve()
+    real = path.resolve()
+    if real == cwd or real in cwd.parents:
+        raise OutputError(f"--out {out}: is the current directory or one of its parents; "
+                          "name a new directory for the engine, e.g. engines/NAME")
+    if real.parent == real:
+        raise OutputError(f"--out {out}: is the file system's root; name a new directory")
+    if path.exists():
+        if not path.is_dir():
+            raise OutputError(f"--out {out}: exists and is not a directory; name a new "
+                              "directory for the engine")
+        names = {p.name for p in path.iterdir()}
+        if names:
+            known = engine_entries(path)
+            if known is None:
+                raise OutputError(f"--out {out}: is a directory that holds files and no engine; "
+                                  "charbuild replaces only an engine directory: name a new or "
+                                  "empty directory")
+            foreign = sorted(names - known)
+            if foreign:
+                raise OutputError(f"--out {out}: is an engine directory that also holds "
+                                  f"{foreign[0]!r}, which is not part of the engine; move it "
+                                  "out first, or name another directory")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"--out {out}: cannot be created: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"--out {out}: cannot be created: {parent} is not writable")
+    return path
+
+
+class Staging:
+    """`with Staging(out) as tmp:` build into tmp, then `commit()`; leaving the block
+    without a commit (an error, Ctrl-C, SIGTERM through SystemExit) removes tmp and the
+    parent directories it created."""
+
+    def __init__(self, out: Path):
+        self.out = check_out(out)
+        self.tmp: Path | None = None
+        self.created: list[Path] = []
+        self.committed = False
+
+    def __enter__(self) -> Path:
+        missing, p = [], self.out.parent
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        try:
+            for p in reversed(missing):
+                p.mkdir()
+                self.created.append(p)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.building-",
+                                             dir=self.out.parent))
+        except OSError as e:
+            self._clean()
+            raise OutputError(f"--out {self.out}: cannot be created ({e.strerror})") from None
+        return self.tmp
+
+    def commit(self) -> None:
+        """Swap the built directory in: --out is checked again (it may have changed while
+        the engine was built); an engine it held is removed only once the new one is there."""
+        out = check_out(self.out)
+        old = None
+        if out.exists():
+            if any(out.iterdir()):
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
+                os.rename(out, old / "engine")
+            else:
+                out.rmdir()
+        os.rename(self.tmp, out)
+        self.committed = True
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _clean(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        for p in reversed(self.created):
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+    def __exit__(self, *exc) -> None:
+        if not self.committed:
+            self._clean()

@@ -1,0 +1,50 @@
+"""What charrun reads and writes, as data (no media library imported here, so the command
+line and `--check` stay light): the image bounds and fit policies, the video containers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class MediaError(ValueError):
+    pass
+
+
+VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers that carry H.264 + AAC
+
+FIT_POLICIES = {
+    "cover": "scaled to cover the frame, centre-cropped",
+    "contain": "scaled to fit inside the frame, the rest filled with the background",
+    "stretch": "scaled to the frame's shape, its aspect not kept",
+}
+# Larger images are refused before they are decoded (a 40-megapixel RGBA image decodes to
+# 160 MB); smaller ones, below this fraction of the model's frame on either side, would be
+# enlarged past recognition.
+MAX_IMAGE_PIXELS = 40_000_000
+MIN_IMAGE_FRACTION = 0.25
+DEFAULT_BACKGROUND = "#ffffff"
+EXIF_ORIENTATION = 0x0112
+
+
+def parse_colour(text: str) -> tuple[int, int, int]:
+    """'#rrggbb' (or a colour name Pillow knows) -> (r, g, b)."""
+    from PIL import ImageColor  # Pillow: imported when a colour is parsed
+
+    try:
+        return ImageColor.getrgb(text)[:3]
+    except ValueError:
+        raise MediaError(f"background {text!r}: not a colour; give #rrggbb or a colour "
+                         "name") from None
+
+
+@dataclass(frozen=True)
+class ImageFit:
+    """How a reference image becomes the model's frame: the fit policy (FIT_POLICIES) and
+    the colour that transparent pixels (and contain's margins) are laid on."""
+    policy: str = "cover"
+    background: str = DEFAULT_BACKGROUND
+
+    def __post_init__(self):
+        if self.policy not in FIT_POLICIES:
+            raise MediaError(f"fit {self.policy!r}: one of {', '.join(FIT_POLICIES)}")
+        parse_colour(self.background)
