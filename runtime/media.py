@@ -32,6 +32,18 @@ def _source(src: str | Path | bytes):
 TRUNCATED_TOLERANCE_S = 0.05
 
 
+def _wav_header_seconds(src: str | Path | bytes) -> float | None:
+    """The length a PCM WAV's header declares (its data chunk's size), through the standard
+    library's reader; None where it cannot say (other encodings)."""
+    import wave
+
+    try:
+        with wave.open(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else str(src)) as w:
+            return w.getnframes() / w.getframerate()
+    except (wave.Error, EOFError, ZeroDivisionError):
+        return None
+
+
 def read_audio(src: str | Path | bytes, rate: int, warn=None) -> torch.Tensor:
     """Any audio file PyAV decodes (a path or its bytes) -> mono float32 samples at `rate`
     (stereo is averaged by the resampler, other rates converted), as long as the container
@@ -45,6 +57,8 @@ def read_audio(src: str | Path | bytes, rate: int, warn=None) -> torch.Tensor:
             stream = c.streams.audio[0]
             declared = (float(stream.duration * stream.time_base) if stream.duration
                         else c.duration / av.time_base if c.duration else None)
+            if c.format.name == "wav":  # FFmpeg clamps a WAV's length to what the file holds
+                declared = _wav_header_seconds(src) or declared
             rs = av.AudioResampler(format="flt", layout="mono", rate=rate)
             chunks = []
             for frame in c.decode(stream):
@@ -92,13 +106,25 @@ def check_video_out(path: Path) -> Path:
     if path.suffix.lower() not in VIDEO_SUFFIXES:
         raise MediaError(f"--out {path}: give a video file name ending in "
                          f"{', '.join(VIDEO_SUFFIXES)}")
-    parent = path.absolute().parent
+    missing, parent = [], path.absolute().parent
     while not parent.exists():
+        missing.append(parent)
         parent = parent.parent
     if not parent.is_dir():
         raise MediaError(f"--out {path}: cannot be created: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise MediaError(f"--out {path}: cannot be created: {parent} is not writable")
+    made = []
+    try:  # a trial file where the video will be written, removed with any folder it needed
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+        fd, trial = tempfile.mkstemp(prefix=f".{path.stem}.trial-", dir=path.absolute().parent)
+        os.close(fd)
+        os.unlink(trial)
+    except OSError as e:
+        raise MediaError(f"--out {path}: cannot be created ({e.strerror or e})") from None
+    finally:
+        for d in reversed(made):
+            d.rmdir()
     return path
 
 

@@ -24,6 +24,9 @@ def main():
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--shot", required=True)
     ap.add_argument("--chromium", default="/usr/bin/chromium")
+    ap.add_argument("--wait-error", type=float, default=0.0,
+                    help="after the first stats, print STREAMING and wait this long for the "
+                         "page to show an error sentence (the test kills a rank meanwhile)")
     args = ap.parse_args()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=args.chromium, args=FLAGS, headless=True)
@@ -44,6 +47,15 @@ def main():
             if time.monotonic() > end:
                 raise TimeoutError(f"no video: {first}")
             time.sleep(0.2)
+        if args.wait_error:
+            print("STREAMING", flush=True)
+            page.wait_for_selector("#message.error", timeout=args.wait_error * 1000)
+            error = page.inner_text("#message")
+            page.screenshot(path=args.shot)
+            browser.close()
+            print(json.dumps({"first": first, "error": error,
+                              "start_enabled": True}))
+            return
         t0 = time.monotonic()
         time.sleep(args.seconds)
         t1, last = time.monotonic(), page.evaluate("window.charStats()")

@@ -161,3 +161,71 @@ def test_streaming_decoder_equals_decoding_the_sequence():
         parts = torch.cat([dec(lat[0, :, i]).transpose(0, 1) for i in range(5)], dim=1)
     assert whole.shape == (3, 20, 64, 64)
     assert torch.allclose(whole, parts, atol=1e-5)
+
+
+def test_sigterm_leaves_a_playable_mp4_whose_frames_the_message_counts(engine_dir, tmp_path):
+    write_wav(tmp_path / "long.wav", 120.0, 16000, 1)
+    p = subprocess.Popen(CHARRUN + ["--engine", str(engine_dir), "--image", str(FACE),
+                                    "--audio", str(tmp_path / "long.wav"), "--out",
+                                    str(tmp_path / "o.mp4")],
+                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for line in p.stderr:
+        if "first frames written" in line:
+            break
+    time.sleep(1.0)
+    p.send_signal(signal.SIGTERM)  # what docker stop and timeout send
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143, err
+    frames, rate, audio_s, _ = probe(tmp_path / "o.mp4")
+    assert frames >= 4 and frames % 4 == 0 and rate == 24
+    assert abs(audio_s - frames / 24) <= 1 / 24
+    assert f"stopped by SIGTERM after {frames // 4} steps; {tmp_path / 'o.mp4'} holds " \
+           f"{frames} frames" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long.wav", "o.mp4"]
+
+
+def test_audio_with_nan_samples_is_refused_before_any_work(engine_dir, tmp_path):
+    x = np.sin(np.arange(16000) / 5).astype(np.float32)
+    x[100] = np.nan
+    with av.open(str(tmp_path / "nan.wav"), "w") as c:
+        s = c.add_stream("pcm_f32le", rate=16000)
+        s.layout = "mono"
+        f = av.AudioFrame.from_ndarray(x[None], format="flt", layout="mono")
+        f.sample_rate = 16000
+        for pkt in [*s.encode(f), *s.encode()]:
+            c.mux(pkt)
+    (tmp_path / "o.mp4").write_bytes(b"the user's earlier render")
+    r = run_charrun(engine_dir, tmp_path / "nan.wav", tmp_path / "o.mp4")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "NaN or infinite samples" in r.stderr and "session failed" not in r.stderr
+    assert (tmp_path / "o.mp4").read_bytes() == b"the user's earlier render"
+
+
+@pytest.mark.parametrize("out,says", [("DIR", "is a directory"), ("o.txt", "ending in .mp4"),
+                                      ("/proc/charengine/o.mp4", "cannot be created")])
+def test_a_bad_out_is_refused_before_the_engine_loads(engine_dir, tmp_path, out, says):
+    out = tmp_path if out == "DIR" else tmp_path / out if not out.startswith("/") else out
+    r = run_charrun(engine_dir, SPEECH, out)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 or r.returncode == 1
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("flags,says", [(["--slack", "0"], "--slack"),
+                                        (["--port", "70000"], "--port")])
+def test_bad_serving_flags_are_refused_at_the_command_line(engine_dir, flags, says):
+    r = subprocess.run(CHARRUN + ["--engine", str(engine_dir), "--serve", *flags],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr and "serving on" not in r.stdout
+
+
+def test_a_port_in_use_is_refused_before_serving(engine_dir):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+        r = subprocess.run(CHARRUN + ["--engine", str(engine_dir), "--serve", "--port",
+                                      str(port)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "serving on" not in r.stdout

@@ -138,3 +138,70 @@ def test_a_damaged_rank_file_is_reported_by_its_rank(engines, tmp_path):
     with pytest.raises(RankFailure, match=r"rank 2 died \(exit 1\): .*checksum mismatch in "
                                           r"rank1.safetensors"):
         DistributedWorker(engine)
+
+
+def test_idle_ranks_outlive_the_session_timeout_and_the_next_session_runs(engines):
+    """Between sessions the ranks wait for as long as rank 0 lives: idle for longer than
+    the hand-off timeout, the group still serves the next session."""
+    worker = DistributedWorker(Engine.load(engines[1]), timeout_s=2)
+    image, speech = torch.rand(3, 64, 64), torch.randn(16000) * 0.1
+    try:
+        frames_of(worker, image, speech, 3)
+        time.sleep(5)  # idle past the 2 s timeout
+        assert worker.alive()
+        frames, _ = frames_of(worker, image, speech, 3)
+        assert frames.shape[0] == 3
+    finally:
+        worker.close()
+
+
+def test_a_rank_that_dies_while_idle_is_replaced_before_the_next_session(engines):
+    worker = DistributedWorker(Engine.load(engines[1]))
+    image, speech = torch.rand(3, 64, 64), torch.randn(16000) * 0.1
+    try:
+        frames_of(worker, image, speech, 3)
+        old = [p.pid for p in worker.ctx.processes]
+        os.kill(old[0], signal.SIGKILL)
+        time.sleep(0.5)
+        frames, _ = frames_of(worker, image, speech, 3)  # on fresh ranks
+        assert frames.shape[0] == 3
+        assert not set(old) & {p.pid for p in worker.ctx.processes}
+    finally:
+        worker.close()
+
+
+def test_a_rank_that_dies_at_start_up_ends_the_start_within_5_s(engines):
+    import multiprocessing
+    import threading
+
+    killed = []
+
+    def kill_rank_2():
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not killed:
+            for p in multiprocessing.active_children():
+                if p.name == "charengine-rank2" and p.pid:
+                    time.sleep(0.3)
+                    os.kill(p.pid, signal.SIGKILL)
+                    killed.append(time.monotonic())
+                    return
+            time.sleep(0.01)
+
+    threading.Thread(target=kill_rank_2, daemon=True).start()
+    with pytest.raises(RankFailure, match=r"^start-up failed: rank 2 died \(exit -9\)") as e:
+        DistributedWorker(Engine.load(engines[1]))
+    assert killed and time.monotonic() - killed[0] < 5, e.value
+    assert "\n" not in str(e.value)
+
+
+def test_close_ends_every_rank_within_2_s_and_leaves_no_temporary_directory(engines):
+    import tempfile
+
+    before = set(os.listdir(tempfile.gettempdir()))
+    worker = DistributedWorker(Engine.load(engines[2]))  # TP-3
+    procs = list(worker.ctx.processes)
+    t0 = time.monotonic()
+    worker.close()
+    assert time.monotonic() - t0 < 2.0
+    assert all(p.exitcode is not None for p in procs)
+    assert set(os.listdir(tempfile.gettempdir())) - before == set()

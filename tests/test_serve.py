@@ -119,3 +119,46 @@ def test_page_streams_video_at_24fps_with_audio_to_chromium(netns, tmp_path, sou
             server.kill()
             out, _ = server.communicate()
     assert "Traceback" not in out, out
+
+
+def test_a_rank_that_dies_mid_session_is_told_to_the_page_and_the_next_session_runs(
+        netns, tmp_path):
+    import psutil
+
+    engine = build_target(tmp_path, "cpu-tiny-tp2")
+    port = 8766
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen(_in_ns(netns, sys.executable, "-m", "charengine.runtime.cli",
+                                     "--engine", str(engine), "--serve", "--port", str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        _wait_http(netns, url)
+        client = subprocess.Popen(_in_ns(netns, sys.executable, str(ROOT / "tests/browser_client.py"),
+                                         "--url", url, "--image", str(ROOT / "assets/face.png"),
+                                         "--speech", str(ROOT / "assets/speech.wav"),
+                                         "--wait-error", "40", "--shot", str(tmp_path / "e.png")),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert client.stdout.readline().strip() == "STREAMING", client.stderr.read()
+        ranks = [p for p in psutil.Process(server.pid).children(recursive=True)
+                 if "multiprocessing" in " ".join(p.cmdline())]
+        assert ranks, "no rank processes"
+        ranks[-1].kill()
+        out, err = client.communicate(timeout=120)
+        assert client.returncode == 0, out + err
+        said = json.loads(out.strip().splitlines()[-1])["error"]
+        assert "The session stopped" in said and "died" in said and "Press Start" in said
+        r = subprocess.run(_in_ns(netns, sys.executable, str(ROOT / "tests/browser_client.py"),
+                                  "--url", url, "--image", str(ROOT / "assets/face.png"),
+                                  "--speech", str(ROOT / "assets/speech.wav"), "--seconds", "2",
+                                  "--shot", str(tmp_path / "again.png")),
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr  # fresh ranks: video flows again
+    finally:
+        server.terminate()
+        try:
+            out, _ = server.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            out, _ = server.communicate()
+    assert "Traceback" not in out, out

@@ -1,0 +1,176 @@
+"""What charrun does to its inputs, said and bounded: images are refused above and below
+stated sizes before they are decoded, fitted by a selectable policy, transparency laid on a
+stated background, and the largest accepted image stays within 500 MB; audio keeps its
+declared length, NaN or infinite samples are refused, a truncated WAV is reported."""
+
+import subprocess
+import sys
+import time
+import wave
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from charengine.runtime.formats import MAX_IMAGE_PIXELS, ImageFit, MediaError
+from charengine.runtime.images import load_image
+from charengine.runtime.media import read_audio
+
+RATE = 16000
+
+
+def test_an_image_over_the_pixel_bound_is_refused_before_it_is_decoded(tmp_path):
+    big = tmp_path / "huge.png"  # 794 KB on disk, 768 MB as RGB
+    Image.new("RGB", (16000, 16000), (90, 120, 200)).save(big)
+    t0 = time.monotonic()
+    with pytest.raises(MediaError, match="megapixels"):
+        load_image(big, 64, 64)
+    assert time.monotonic() - t0 < 2.0
+    side = int(MAX_IMAGE_PIXELS ** 0.5) + 1  # just over the bound, under Pillow's own
+    Image.new("RGB", (side, side)).save(tmp_path / "over.png")
+    with pytest.raises(MediaError, match=f"{side} x {side}"):
+        load_image(tmp_path / "over.png", 64, 64)
+
+
+# Peak resident memory from /proc (VmHWM is this program's own: getrusage's maxrss would
+# carry the forking test process's peak across exec).
+PEAK = """
+import sys
+from charengine.runtime.images import load_image
+
+def kb(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+base = kb("VmRSS:")
+pic = load_image(sys.argv[1], 64, 64)
+print(kb("VmHWM:") - base, pic.describe())
+"""
+
+
+def test_the_largest_accepted_image_stays_within_500_mb(tmp_path):
+    side = int(MAX_IMAGE_PIXELS ** 0.5)
+    rgba = np.zeros((side, side, 4), np.uint8)
+    rgba[..., 0] = np.arange(side, dtype=np.uint8)[None]
+    rgba[..., 3] = 255
+    rgba[:10, :10, 3] = 0
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "largest.png")
+    del rgba
+    r = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "largest.png")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    above, text = r.stdout.split(" ", 1)
+    assert int(above) < 500e6, r.stdout
+    assert f"{side} x {side} image fitted to 64 x 64" in text
+
+
+def test_an_image_below_a_quarter_of_the_frame_is_refused(tmp_path):
+    Image.new("RGB", (15, 200)).save(tmp_path / "thin.png")
+    with pytest.raises(MediaError, match="at least 16 x 16"):
+        load_image(tmp_path / "thin.png", 64, 64)
+    Image.new("RGB", (16, 16)).save(tmp_path / "ok.png")
+    assert load_image(tmp_path / "ok.png", 64, 64).pixels.shape == (3, 64, 64)
+
+
+def test_fit_policies_do_what_they_say(tmp_path):
+    # a wide image: left half red, right half blue, a green stripe in the middle
+    a = np.zeros((100, 300, 3), np.uint8)
+    a[:, :150, 0] = 255
+    a[:, 150:, 2] = 255
+    a[:, 140:160, :] = (0, 255, 0)
+    Image.fromarray(a).save(tmp_path / "wide.png")
+    cover = load_image(tmp_path / "wide.png", 64, 64, ImageFit("cover")).pixels
+    contain = load_image(tmp_path / "wide.png", 64, 64, ImageFit("contain", "#000000")).pixels
+    stretch = load_image(tmp_path / "wide.png", 64, 64, ImageFit("stretch")).pixels
+    # cover keeps the middle third (the stripe is 20 of its 100 columns), scaled up
+    assert cover[1, 32, 28:36].min() > 0.9 and cover[0, 32, 2] > 0.9 and cover[2, 32, 61] > 0.9
+    # contain keeps it all inside, the margins the background (black)
+    assert contain[:, :20].max() < 0.05 and contain[:, 44:].max() < 0.05
+    assert contain[0, 32, 2] > 0.9 and contain[2, 32, 61] > 0.9
+    # stretch keeps it all, squeezed: the stripe is narrower than in cover
+    assert (stretch[1, 32] > 0.5).sum() < (cover[1, 32] > 0.5).sum()
+    assert "by contain" in load_image(tmp_path / "wide.png", 64, 64,
+                                      ImageFit("contain")).describe()
+
+
+def test_transparent_pixels_are_laid_on_the_stated_background(tmp_path):
+    a = np.zeros((64, 64, 4), np.uint8)
+    a[..., 0] = 255  # red under the alpha everywhere; visible only in the middle
+    a[16:48, 16:48, 3] = 255
+    Image.fromarray(a, "RGBA").save(tmp_path / "cutout.png")
+    pic = load_image(tmp_path / "cutout.png", 64, 64, ImageFit("cover", "#00ff00"))
+    x = pic.pixels
+    assert torch.allclose(x[:, 2, 2], torch.tensor([0.0, 1.0, 0.0]), atol=0.02)  # background
+    assert torch.allclose(x[:, 32, 32], torch.tensor([1.0, 0.0, 0.0]), atol=0.02)  # the image
+    assert pic.transparent and "on background #00ff00" in pic.describe()
+
+
+def test_exif_orientation_turns_a_photo_upright(tmp_path):
+    a = np.zeros((40, 80, 3), np.uint8)  # stored landscape, top row white
+    a[:4] = 255
+    im = Image.fromarray(a)
+    exif = im.getexif()
+    exif[0x0112] = 6  # "rotate 90 CW to view"
+    im.save(tmp_path / "phone.jpg", exif=exif.tobytes(), quality=95)
+    pic = load_image(tmp_path / "phone.jpg", 64, 64, ImageFit("stretch"))
+    assert pic.rotated and "upright" in pic.describe()
+    assert pic.pixels[:, :, -6:].mean() > 0.8 and pic.pixels[:, :, :20].mean() < 0.1
+
+
+def write_wav(path, x, rate=RATE):
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+
+
+def write_audio(path, x, rate, codec, fmt):
+    with av.open(str(path), "w") as c:
+        s = c.add_stream(codec, rate=rate)
+        s.layout = "mono"
+        n = s.codec_context.frame_size or 1024
+        for i in range(0, len(x), n):
+            seg = x[i:i + n].astype(np.float32)
+            f = av.AudioFrame.from_ndarray(seg[None], format=fmt, layout="mono")
+            f.sample_rate, f.pts = rate, i
+            for p in s.encode(f):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def tone(seconds, rate):
+    t = np.arange(int(seconds * rate)) / rate
+    return 0.3 * np.sin(2 * np.pi * 220 * t)
+
+
+@pytest.mark.parametrize("rate", [24000, 44100])
+def test_compressed_audio_keeps_its_length(tmp_path, rate):
+    write_audio(tmp_path / "s.m4a", tone(3.0, rate), rate, "aac", "fltp")
+    x = read_audio(tmp_path / "s.m4a", RATE)
+    assert abs(x.numel() / RATE - 3.0) < 0.005, x.numel() / RATE
+
+
+def test_audio_with_nan_or_infinite_samples_is_refused(tmp_path):
+    x = tone(1.0, RATE).astype(np.float32)
+    x[8000] = np.nan
+    write_audio(tmp_path / "nan.wav", x, RATE, "pcm_f32le", "flt")
+    with pytest.raises(MediaError, match=r"NaN or infinite samples \(the first at 0.5"):
+        read_audio(tmp_path / "nan.wav", RATE)
+
+
+def test_a_truncated_wav_is_read_and_reported(tmp_path):
+    write_wav(tmp_path / "s.wav", tone(2.0, RATE))
+    data = (tmp_path / "s.wav").read_bytes()
+    (tmp_path / "cut.wav").write_bytes(data[: 44 + RATE * 2])  # the header says 2 s; 1 s left
+    warnings = []
+    x = read_audio(tmp_path / "cut.wav", RATE, warn=warnings.append)
+    assert abs(x.numel() / RATE - 1.0) < 0.01
+    assert len(warnings) == 1 and "declares 2.00 s and 1.00 s could be read" in warnings[0]
+    warnings.clear()
+    read_audio(tmp_path / "s.wav", RATE, warn=warnings.append)
+    assert warnings == []
