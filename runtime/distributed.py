@@ -80,6 +80,9 @@ IDLE_TIMEOUT = datetime.timedelta(days=3650)
 # watches the processes, so a rank that dies while starting ends the start at once.
 STAGES = ("joined", "loaded", "ready")
 POLL_S = 0.05
+# A rank's last error line that says its collective broke because of a peer.
+COLLATERAL_ERRORS = ("Timed out", "Connection closed by peer", "Connection reset by peer",
+                     "Read error", "Write error")
 FAULT_SETTLE_S = 3.0  # a start-up collective broke: time for the rank that broke it to exit
 PARENT_POLL_S = 0.2
 
@@ -322,14 +325,19 @@ class DistributedWorker:
                 if lines:
                     errors[r] = lines[-1]
         waited = f"{waited_s or self.timeout_s:g} s"
-        timed_out = [r for r, line in errors.items() if "Timed out" in line]
+        # ranks that left only because a peer broke their collective: not the cause
+        collateral = [r for r, line in errors.items()
+                      if any(m in line for m in COLLATERAL_ERRORS)]
+        cause = [r for r in dead if r not in collateral] or dead
+        timed_out = [r for r in dead if "Timed out" in errors.get(r, "")]
         if dead and len(timed_out) == len(dead):  # they gave up on a peer that hangs
             what = (f"a rank did not answer within {waited} (rank "
                     f"{', '.join(map(str, timed_out))} timed out waiting for it)")
         elif dead:
-            what = (f"rank {', '.join(map(str, dead))} died (exit "
-                    f"{', '.join(str(procs[r - 1].exitcode) for r in dead)})")
-            first = next((errors[r] for r in dead if r in errors and r not in timed_out), None)
+            what = (f"rank {', '.join(map(str, cause))} died (exit "
+                    f"{', '.join(str(procs[r - 1].exitcode) for r in cause)})")
+            first = next((errors[r] for r in cause if r in errors and r not in collateral),
+                         None)
             if first:
                 what += f": {first}"
         else:

@@ -125,7 +125,7 @@ class CharacterVideoGenerator(VideoGenerator):
         while True:
             item = await self.out.get()
             if isinstance(item, SessionFailed):
-                raise item
+                return  # the runner's stream ends; serve_room raises the failure
             yield item
 
     # ---- the pacer's thread ----------------------------------------------------------

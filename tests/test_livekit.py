@@ -312,3 +312,46 @@ def test_data_stream_worker_job_serves_the_dispatched_character(worker):
     assert len(finished) == 1 and not finished[0].interrupted
     assert 0.5 <= finished[0].playback_position <= 0.5 + 1 / 6 + 1e-6
     assert rtc.TrackSource.SOURCE_CAMERA in avatar_room.local_participant.published
+
+
+def test_a_rank_that_dies_ends_the_livekit_job_with_the_error(tmp_path):
+    """charrun --livekit on a TP engine: a rank that dies mid-session ends serve_room with
+    SessionFailed naming the rank (the job then shuts down with it), and the worker's next
+    session runs on fresh ranks."""
+    import os
+    import signal
+
+    from charengine.runtime.distributed import DistributedWorker
+    from charengine.runtime.engine import Engine
+    from charengine.runtime.livekit_avatar import SessionFailed, serve_room
+    from engines import build_target
+    from livekit_loopback import pair
+
+    worker = DistributedWorker(Engine.load(build_target(tmp_path, "cpu-tiny-tp2")))
+
+    async def scenario(kill: bool):
+        _, avatar_room = pair()
+        job = asyncio.create_task(serve_room(avatar_room, worker, {"sender": "agent"}))
+        await until(lambda: avatar_room.local_participant.published, 30)
+        if not kill:
+            await asyncio.sleep(1.0)
+            job.cancel()
+            try:
+                await job
+            except asyncio.CancelledError:
+                pass
+            return None
+        os.kill(worker.ctx.processes[0].pid, signal.SIGKILL)
+        try:
+            await asyncio.wait_for(job, 30)
+        except SessionFailed as e:
+            return str(e)
+        return "no error"
+
+    try:
+        said = asyncio.run(scenario(kill=True))
+        assert said is not None and "rank 1 died (exit -9)" in said, said
+        asyncio.run(scenario(kill=False))  # fresh ranks
+        assert worker.alive()
+    finally:
+        worker.close()
