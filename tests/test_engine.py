@@ -2,6 +2,7 @@
 with one clear line, never a traceback."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from charengine.engine_format import this_machine
+from charengine.engine_format import MANIFEST, this_machine
 from charengine.runtime.engine import Engine, EngineError, check_machine
 from charengine.target import Target
 from engines import ROOT, TARGETS, build_target
@@ -246,3 +247,21 @@ def test_an_engine_on_quack_is_refused_without_that_quack(copy):
     with pytest.raises(EngineError, match=rf"runs its GEMMs on QuACK \(quack-kernels "
                                           rf"0.0.1-other\); this machine has {has}: install"):
         Engine.load(copy)
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda m: [1, 2], "expected a JSON object, found list"),
+    (lambda m: {**m, "ranks": "0"}, "field 'ranks' is str, expected list"),
+    (lambda m: {**m, "files": {"../x": {"bytes": 1, "sha256": []}}}, "outside the engine"),
+    (lambda m: {**m, "config": {**m["config"], "model": {**m["config"]["model"], "dim": "64"}}},
+     "config.model.dim: expected int, got str"),
+    (lambda m: {**m, "target": {**m["target"], "tp": [1]}}, "tp: expected int, got list"),
+    (lambda m: {**m, "target": {**m["target"], "switches": {"fp8_attention_kernel": "yes"}}},
+     "fp8_attention_kernel: expected bool"),
+])
+def test_a_manifest_of_the_wrong_shape_gets_one_line(copy, edit, says):
+    m = json.loads((copy / MANIFEST).read_text())
+    (copy / MANIFEST).write_text(json.dumps(edit(m)))
+    with pytest.raises(EngineError, match=re.escape(says)) as e:
+        Engine.load(copy)
+    assert "\n" not in str(e.value) and "rebuild the engine" in str(e.value)
