@@ -204,6 +204,7 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                 f.write(traceback.format_exc())
         finally:
             os._exit(1)
+    os._exit(0)  # stopped: leave at once, without the interpreter's teardown
 
 
 class _Ranks:

@@ -3,11 +3,23 @@ line and `--check` stay light): the image bounds and fit policies, the video con
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class MediaError(ValueError):
     pass
+
+
+def source_of(src: str | Path | bytes):
+    """(what a media library opens, a name for messages) for a path or a file's bytes."""
+    if isinstance(src, (bytes, bytearray)):
+        return io.BytesIO(src), "upload"
+    path = Path(src)
+    if not path.is_file():
+        raise MediaError(f"{path}: no such file")
+    return str(path), str(path)
 
 
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers that carry H.264 + AAC

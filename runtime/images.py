@@ -12,19 +12,7 @@ import numpy as np
 import torch
 
 from .formats import (EXIF_ORIENTATION, FIT_POLICIES, MAX_IMAGE_PIXELS, MIN_IMAGE_FRACTION,
-                      ImageFit, MediaError, parse_colour)
-
-
-def _source(src: str | Path | bytes):
-    """(what Image.open takes, a name for messages) for a path or a file's bytes."""
-    import io
-
-    if isinstance(src, (bytes, bytearray)):
-        return io.BytesIO(src), "upload"
-    path = Path(src)
-    if not path.is_file():
-        raise MediaError(f"{path}: no such file")
-    return str(path), str(path)
+                      ImageFit, MediaError, parse_colour, source_of)
 
 
 @dataclass
@@ -60,7 +48,7 @@ def load_image(src: str | Path | bytes, height: int, width: int,
     T = Image.Transpose  # EXIF orientation 2-8 -> the transposition that makes it upright
     EXIF_TRANSPOSE = {2: T.FLIP_LEFT_RIGHT, 3: T.ROTATE_180, 4: T.FLIP_TOP_BOTTOM,
                       5: T.TRANSPOSE, 6: T.ROTATE_270, 7: T.TRANSVERSE, 8: T.ROTATE_90}
-    f, path = _source(src)
+    f, path = source_of(src)
     bg = parse_colour(fit.background)
     try:
         with warnings.catch_warnings():

@@ -14,17 +14,7 @@ import av
 import numpy as np
 import torch
 
-from .formats import VIDEO_SUFFIXES, MediaError
-
-
-def _source(src: str | Path | bytes):
-    """(what av.open takes, a name for messages) for a path or a file's bytes."""
-    if isinstance(src, (bytes, bytearray)):
-        return io.BytesIO(src), "upload"
-    path = Path(src)
-    if not path.is_file():
-        raise MediaError(f"{path}: no such file")
-    return str(path), str(path)
+from .formats import VIDEO_SUFFIXES, MediaError, source_of
 
 
 # Audio whose container declares a length is cut to it (encoders pad their last frame); one
@@ -49,7 +39,7 @@ def read_audio(src: str | Path | bytes, rate: int, warn=None) -> torch.Tensor:
     (stereo is averaged by the resampler, other rates converted), as long as the container
     says it is (an encoder's padding of the last frame dropped). Audio with NaN or infinite
     samples is refused; `warn(line)` hears of a file that ends before its declared length."""
-    f, path = _source(src)
+    f, path = source_of(src)
     try:
         with av.open(f) as c:
             if not c.streams.audio:

@@ -168,9 +168,14 @@ class Server:
             pc = RTCPeerConnection(RTCConfiguration(iceServers=self.ice))
             try:
                 await pc.setRemoteDescription(RTCSessionDescription(body["sdp"], "offer"))
-            except (ValueError, TypeError, AttributeError) as e:
+                pc.addTrack(out.video)
+                pc.addTrack(out.audio)
+                await pc.setLocalDescription(await pc.createAnswer())
+            except (ValueError, TypeError, AttributeError, KeyError) as e:
                 await pc.close()
-                raise BadRequest(f"the offer's SDP could not be read ({e})") from None
+                why = str(e) or type(e).__name__
+                raise BadRequest(f"the offer's SDP could not be negotiated ({why}); send the "
+                                 "page's own offer") from None
             self.sessions += 1
             sid = str(self.sessions)
             session = LiveSession(
@@ -193,10 +198,6 @@ class Server:
                 if pc.connectionState in ("failed", "closed") and self.pc is pc:
                     await self.close()
 
-            pc.addTrack(out.video)
-            pc.addTrack(out.audio)
-            answer = await pc.createAnswer()
-            await pc.setLocalDescription(answer)
             self.session, self.pc, self.events = session, pc, None
             try:
                 await loop.run_in_executor(None, session.start, image, body.get("prompt", ""))

@@ -77,7 +77,8 @@ def test_a_file_that_is_not_audio_is_refused(engine_dir, tmp_path):
     assert "not an audio file" in r.stderr
 
 
-def test_ctrl_c_leaves_a_playable_mp4_of_what_was_generated(engine_dir, tmp_path):
+def stop_a_long_render(engine_dir, tmp_path, sig):
+    """A two-minute render stopped by `sig` a second after its first frames: (exit, stderr)."""
     write_wav(tmp_path / "long.wav", 120.0, 16000, 1)
     p = subprocess.Popen(CHARRUN + ["--engine", str(engine_dir), "--image", str(FACE),
                                     "--audio", str(tmp_path / "long.wav"), "--out",
@@ -88,9 +89,14 @@ def test_ctrl_c_leaves_a_playable_mp4_of_what_was_generated(engine_dir, tmp_path
         if "first frames written" in line or time.time() > deadline:
             break
     time.sleep(1.0)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err
+    return p.returncode, err
+
+
+def test_ctrl_c_leaves_a_playable_mp4_of_what_was_generated(engine_dir, tmp_path):
+    code, err = stop_a_long_render(engine_dir, tmp_path, signal.SIGINT)
+    assert code == 130, err
     frames, rate, audio_s, _ = probe(tmp_path / "o.mp4")
     assert 4 <= frames < 4 * 720 and frames % 4 == 0 and rate == 24
     assert abs(audio_s - frames / 24) <= 1 / 24
@@ -164,18 +170,8 @@ def test_streaming_decoder_equals_decoding_the_sequence():
 
 
 def test_sigterm_leaves_a_playable_mp4_whose_frames_the_message_counts(engine_dir, tmp_path):
-    write_wav(tmp_path / "long.wav", 120.0, 16000, 1)
-    p = subprocess.Popen(CHARRUN + ["--engine", str(engine_dir), "--image", str(FACE),
-                                    "--audio", str(tmp_path / "long.wav"), "--out",
-                                    str(tmp_path / "o.mp4")],
-                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    for line in p.stderr:
-        if "first frames written" in line:
-            break
-    time.sleep(1.0)
-    p.send_signal(signal.SIGTERM)  # what docker stop and timeout send
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 143, err
+    code, err = stop_a_long_render(engine_dir, tmp_path, signal.SIGTERM)  # docker stop, timeout
+    assert code == 143, err
     frames, rate, audio_s, _ = probe(tmp_path / "o.mp4")
     assert frames >= 4 and frames % 4 == 0 and rate == 24
     assert abs(audio_s - frames / 24) <= 1 / 24

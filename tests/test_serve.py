@@ -79,17 +79,34 @@ def _get(ns, url) -> str:
                           check=True).stdout
 
 
-@pytest.mark.parametrize("source", ["upload", "microphone"])
-def test_page_streams_video_at_24fps_with_audio_to_chromium(netns, tmp_path, source):
-    engine = build_target(tmp_path)
-    port = 8765
+def _serve(ns, engine, port):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    server = subprocess.Popen(_in_ns(netns, sys.executable, "-m", "charengine.runtime.cli",
+    server = subprocess.Popen(_in_ns(ns, sys.executable, "-m", "charengine.runtime.cli",
                                      "--engine", str(engine), "--serve", "--port", str(port)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}/"
     try:
-        url = f"http://127.0.0.1:{port}/"
-        _wait_http(netns, url)
+        _wait_http(ns, url)
+    except TimeoutError:
+        server.kill()
+        raise
+    return server, url
+
+
+def _end(server) -> str:
+    server.terminate()
+    try:
+        out, _ = server.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        out, _ = server.communicate()
+    return out
+
+
+@pytest.mark.parametrize("source", ["upload", "microphone"])
+def test_page_streams_video_at_24fps_with_audio_to_chromium(netns, tmp_path, source):
+    server, url = _serve(netns, build_target(tmp_path), 8765)
+    try:
         shot = tmp_path / "page.png"
         speech = ["--speech", str(ROOT / "assets/speech.wav")] if source == "upload" else ["--mic"]
         r = subprocess.run(_in_ns(netns, sys.executable, str(ROOT / "tests/browser_client.py"),
@@ -112,12 +129,7 @@ def test_page_streams_video_at_24fps_with_audio_to_chromium(netns, tmp_path, sou
         assert "charengine_sessions_finished_total 1.0" in metrics  # the page's Stop
         assert "charengine_frame_drift_seconds_count" in metrics
     finally:
-        server.terminate()
-        try:
-            out, _ = server.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            out, _ = server.communicate()
+        out = _end(server)
     assert "Traceback" not in out, out
 
 
@@ -125,15 +137,8 @@ def test_a_rank_that_dies_mid_session_is_told_to_the_page_and_the_next_session_r
         netns, tmp_path):
     import psutil
 
-    engine = build_target(tmp_path, "cpu-tiny-tp2")
-    port = 8766
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    server = subprocess.Popen(_in_ns(netns, sys.executable, "-m", "charengine.runtime.cli",
-                                     "--engine", str(engine), "--serve", "--port", str(port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    server, url = _serve(netns, build_target(tmp_path, "cpu-tiny-tp2"), 8766)
     try:
-        url = f"http://127.0.0.1:{port}/"
-        _wait_http(netns, url)
         client = subprocess.Popen(_in_ns(netns, sys.executable, str(ROOT / "tests/browser_client.py"),
                                          "--url", url, "--image", str(ROOT / "assets/face.png"),
                                          "--speech", str(ROOT / "assets/speech.wav"),
@@ -155,10 +160,5 @@ def test_a_rank_that_dies_mid_session_is_told_to_the_page_and_the_next_session_r
                            capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, r.stdout + r.stderr  # fresh ranks: video flows again
     finally:
-        server.terminate()
-        try:
-            out, _ = server.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            out, _ = server.communicate()
+        out = _end(server)
     assert "Traceback" not in out, out

@@ -89,6 +89,7 @@ def error_of(status, ctype, body):
     (b"{not json", "not JSON"),
     (b"[1, 2]", "needs 'sdp'"),
     (json.dumps({"sdp": 5, "type": "offer"}).encode(), "needs 'sdp'"),
+    (json.dumps({"sdp": "v=0", "type": "offer"}).encode(), "could not be negotiated"),
     (json.dumps({"sdp": "v=0", "type": "offer", "image": "http://x"}).encode(),
      "image: expected a data: URL"),
     (json.dumps({"sdp": "v=0", "type": "offer",
