@@ -61,7 +61,13 @@ def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no
     from .build import build
 
     # SIGTERM (docker stop, timeout) unwinds like Ctrl-C: the staging directory is removed
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    stopped_by = []
+
+    def on_sigterm(*_):
+        stopped_by.append(signal.SIGTERM)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
     if ranks is not None:
         try:
@@ -90,8 +96,10 @@ def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no
     except (CheckpointError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        click.echo(f"charbuild: interrupted; {out} is as it was", err=True)
-        sys.exit(130)
+        sig = stopped_by[0] if stopped_by else signal.SIGINT
+        click.echo(f"charbuild: stopped by {signal.Signals(sig).name}; {out} is as it was",
+                   err=True)
+        sys.exit(128 + sig)
     if m["side_networks"] != "checkpoint":
         click.echo(f"charbuild: the side networks (audio encoder, decoder, image and text "
                    f"encoders) are {m['side_networks']}: the frames are not a trained "

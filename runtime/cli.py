@@ -91,6 +91,10 @@ class Stop:
             raise KeyboardInterrupt
         self.signum = signum
 
+    def done(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
     @property
     def name(self) -> str:
         return signal.Signals(self.signum or signal.SIGINT).name
@@ -279,6 +283,7 @@ def render_file(engine_dir, image, image_fit, audio_path, out, prompt, seed) -> 
             render(worker, picture.pixels, prompt, speech, out, seed, on_step, result)
             stop.generating = False
     except KeyboardInterrupt:
+        stop.done()  # the file is closed: further signals change nothing
         worker.close()
         click.echo(f"charrun: stopped by {stop.name} after {result.steps} steps; "
                    f"{holds(result)}", err=True)

@@ -280,11 +280,11 @@ async def _serve(server: Server, host: str, port: int) -> None:
         await runner.cleanup()
         raise ServeError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); "
                          "choose another port or stop what uses it") from None
-    print(f"charrun: serving on http://{host}:{port}/", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    print(f"charrun: serving on http://{host}:{port}/", flush=True)
     try:
         await stop.wait()
         log.info("stopping: ending the session in progress")
