@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from charengine.engine_format import MANIFEST
+from charengine.paths import make_dirs, missing_dirs, remove_dirs
 
 
 class OutputError(ValueError):
@@ -60,9 +61,7 @@ def check_out(out: Path) -> Path:
                 raise OutputError(f"--out {out}: is an engine directory that also holds "
                                   f"{foreign[0]!r}, which is not part of the engine; move it "
                                   "out first, or name another directory")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
+    _, parent = missing_dirs(path)
     if not parent.is_dir():
         raise OutputError(f"--out {out}: cannot be created: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -82,14 +81,8 @@ class Staging:
         self.committed = False
 
     def __enter__(self) -> Path:
-        missing, p = [], self.out.parent
-        while not p.exists():
-            missing.append(p)
-            p = p.parent
         try:
-            for p in reversed(missing):
-                p.mkdir()
-                self.created.append(p)
+            self.created = make_dirs(missing_dirs(self.out)[0])
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.building-",
                                              dir=self.out.parent))
         except OSError as e:
@@ -116,11 +109,7 @@ class Staging:
     def _clean(self) -> None:
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        for p in reversed(self.created):
-            try:
-                p.rmdir()
-            except OSError:
-                break
+        remove_dirs(self.created)
 
     def __exit__(self, *exc) -> None:
         if not self.committed:

@@ -14,6 +14,8 @@ import av
 import numpy as np
 import torch
 
+from charengine.paths import make_dirs, missing_dirs, remove_dirs
+
 from .formats import VIDEO_SUFFIXES, MediaError, source_of
 
 
@@ -96,25 +98,19 @@ def check_video_out(path: Path) -> Path:
     if path.suffix.lower() not in VIDEO_SUFFIXES:
         raise MediaError(f"--out {path}: give a video file name ending in "
                          f"{', '.join(VIDEO_SUFFIXES)}")
-    missing, parent = [], path.absolute().parent
-    while not parent.exists():
-        missing.append(parent)
-        parent = parent.parent
+    missing, parent = missing_dirs(path)
     if not parent.is_dir():
         raise MediaError(f"--out {path}: cannot be created: {parent} is not a directory")
     made = []
     try:  # a trial file where the video will be written, removed with any folder it needed
-        for d in reversed(missing):
-            d.mkdir()
-            made.append(d)
+        made = make_dirs(missing)
         fd, trial = tempfile.mkstemp(prefix=f".{path.stem}.trial-", dir=path.absolute().parent)
         os.close(fd)
         os.unlink(trial)
     except OSError as e:
         raise MediaError(f"--out {path}: cannot be created ({e.strerror or e})") from None
     finally:
-        for d in reversed(made):
-            d.rmdir()
+        remove_dirs(made)
     return path
 
 

@@ -17,8 +17,12 @@ class Rendered:
     def __init__(self):
         self.steps = 0
         self.frames = 0  # frames in the file (those the writer took), true after any exit
-        self.written = False  # the file exists at `out` (it holds at least one frame)
         self.times: StepTimes | None = None
+
+    @property
+    def written(self) -> bool:
+        """The file exists at `out`: the writer moves it there once it holds a frame."""
+        return self.frames > 0
 
 
 def render(worker, picture: torch.Tensor, prompt: str, speech: torch.Tensor,
@@ -50,5 +54,5 @@ def render(worker, picture: torch.Tensor, prompt: str, speech: torch.Tensor,
         try:
             writer.close()
         finally:
-            result.frames, result.written = writer.frames, writer.frames > 0
+            result.frames = writer.frames
     return result

@@ -32,7 +32,9 @@ from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
 from .formats import ImageFit, MediaError
+from .images import load_image
 from .live import LiveSession
+from .media import read_audio
 from .metrics import Metrics
 from .webrtc import PacedOutput
 from .worker import Worker
@@ -132,8 +134,6 @@ class Server:
             fit = ImageFit(body.get("fit") or fit.policy, body.get("background") or fit.background)
         notes = []
         if body.get("image"):
-            from .images import load_image
-
             picture = load_image(_data_url_bytes(body["image"], "image"), spec.out_h, spec.out_w,
                                  fit)
             image = picture.pixels
@@ -142,8 +142,6 @@ class Server:
             image = torch.full((3, spec.out_h, spec.out_w), 0.5)
         speech_bytes = _data_url_bytes(body.get("speech"), "speech")
         if speech_bytes:
-            from .media import read_audio
-
             speech = read_audio(speech_bytes, spec.side.sample_rate, warn=notes.append)
         else:
             speech = None
