@@ -56,8 +56,8 @@ class AttentionTiles:
     stages: int = 3
     p_fp8: bool = True  # P V as an FP8 dot (else P and V in bf16); fast with V stored [D, S]
     tma: bool = True  # tiles through TMA descriptors (else pointer loads)
-    # the softmax in fewer instructions per score (kernels/attention.py, _softmax_fma):
-    # 63.7 against 66.9 us at the rank slice (docs/PERFORMANCE.md, session 6)
+    # the softmax in fewer instructions per score (kernels/attention.py, _softmax_fma);
+    # faster at the rank slice (docs/PERFORMANCE.md, the kernels' table)
     fma: bool = True
 
     def spec(self) -> str:

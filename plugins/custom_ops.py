@@ -8,8 +8,8 @@ kernel or the reference by the device of its inputs.
 
 Registered through torch.library.Library with explicit schemas rather than the
 `torch.library.custom_op` decorator: that one wraps every kernel in a dynamo guard whose first
-call imports torch._dynamo and sympy (1.4-1.9 s on the CPU machine, 4 s more warm-up at worker
-start on the GPU machine), and costs ~30 us a call against ~4 here.
+call imports torch._dynamo and sympy (seconds more at worker start), and costs several times
+more per call (docs/PERFORMANCE.md has the numbers).
 
 The fused GEMM + all-reduce is not among them: it holds its TP group's symmetric buffers
 (plugins/gemm_allreduce.py), which an op's schema cannot carry.

@@ -5,14 +5,13 @@ warp-specialized CuTe DSL GEMM for Hopper, the scales applied in its epilogue
 (`quack_scaled_mm_residual`, for gemm_residual) and SwiGLU with its row maxima
 (`quack_swiglu_mm`, for gemm_swiglu). On CPU tensors, the references.
 
-Session 7 (one H200, `scripts/bench_kernels.py --only gemm --gemm-libs scaled_mm,quack`,
-docs/PERFORMANCE.md): with fast accumulation, 105.7 us at the output projection against
-117.9 / 127.4 for `_scaled_mm` promoted / fast, and 228.0 against 242.8 / 235.9 at the
-input projection; the TP-3 step 117.9 against 121.9 ms. Its promoted-sum path runs 5-20x
-slower, so it serves fast accumulation only. Each tile configuration and epilogue compiles
-at first use (2-5 s): charbuild puts the objects in the engine (charengine/kernel_cache.py).
-quack and nvidia-cutlass-dsl are not on the GPU machine: they travel as wheels, unpacked
-under a `site-packages` directory (docs/PERFORMANCE.md, session 8).
+Measured against `_scaled_mm` by `scripts/bench_kernels.py --only gemm --gemm-libs
+scaled_mm,quack` (docs/PERFORMANCE.md, "A CuTe DSL GEMM: QuACK"): faster with fast
+accumulation at both rank-slice projections; its promoted-sum path is several times slower,
+so it serves fast accumulation only. Each tile configuration and epilogue compiles at first
+use: charbuild puts the objects in the engine (charengine/kernel_cache.py). quack and
+nvidia-cutlass-dsl are the optional extra `charengine[quack]`; installed from wheels without
+pip, they must be unpacked under a directory named `site-packages` (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def arm_switches(arm: str) -> Switches:
 def arm_config(arm: str, preset_name: str, tp: int) -> EngineConfig:
     """The arm's config. The switch arms (the waterfall's bars) hold the FP8 GEMMs at
     promoted sums, as every arm was measured before fast accumulation became the default
-    (session 6); "production" is the preset as shipped, fast accumulation included, so the
+    (ddafc98, 2026-11-30); "production" is the preset as shipped, fast accumulation included, so the
     waterfall's last bar adds it."""
     cfg = preset(preset_name, tp=tp, switches=arm_switches(arm))
     if arm != "production":

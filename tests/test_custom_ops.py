@@ -1,6 +1,6 @@
 """The plugin kernels as torch custom ops (plugins/custom_ops.py): torch's own op checks
 (schema and declared mutations, fake kernels against real outputs, dispatch) on real inputs,
-on CPU (the references) and, on the GPU machine, CUDA (the Triton kernels)."""
+on CPU (the references) and, on a GPU, CUDA (the Triton kernels)."""
 
 import pytest
 import torch

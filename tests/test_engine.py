@@ -115,7 +115,7 @@ def test_other_torch_is_refused(copy):
 
 
 def test_charrun_reports_a_damaged_engine_in_one_line(copy, tmp_path):
-    pytest.importorskip("av")  # charrun writes MP4 through PyAV (absent on the GPU machine)
+    pytest.importorskip("av")  # charrun writes MP4 through PyAV (an install may lack it)
     (copy / "adaln.safetensors").write_bytes(b"junk")
     r = subprocess.run([sys.executable, "-m", "charengine.runtime.cli", "--engine", str(copy),
                         "--image", str(ROOT / "assets/face.png"), "--audio",
