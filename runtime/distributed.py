@@ -76,9 +76,8 @@ def fused_exchange(cfg, tp_group, device: torch.device):
 # Idle ranks wait for the next command on a group of their own for as long as the server
 # lives; every hand-off inside a session keeps the session timeout, so a hung rank is caught.
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
-# Start-up stages each TP rank reports through the store; rank 0 waits for each while it
-# watches the processes, so a rank that dies while starting ends the start at once.
-STAGES = ("joined", "loaded", "ready")
+# How often rank 0 looks at the store and the processes while the ranks start (each rank
+# reports the stages joined, loaded and ready), so a rank that dies ends the start at once.
 POLL_S = 0.05
 # A rank's last error line that says its collective broke because of a peer.
 COLLATERAL_ERRORS = ("Timed out", "Connection closed by peer", "Connection reset by peer",
@@ -94,17 +93,13 @@ def _stage_key(stage: str, rank: int) -> str:
 def _detach_from_rank0() -> None:
     """A TP rank's own process group and session: Ctrl-C at a terminal reaches rank 0 alone,
     which stops the ranks between steps; the rank exits by itself within PARENT_POLL_S once
-    rank 0 is gone, whatever thread started it."""
-    import ctypes
+    rank 0 is gone, whatever thread started it (a parent-death signal would fire when that
+    thread ends, which for a relaunch is an executor's)."""
     import threading
 
     try:
         os.setsid()
     except OSError:
-        pass
-    try:  # torch's spawn wrapper signals a rank when the *thread* that started it ends
-        ctypes.CDLL(None).prctl(1, 0)  # PR_SET_PDEATHSIG, 0
-    except (OSError, AttributeError):
         pass
     parent = os.getppid()
 

@@ -102,8 +102,7 @@ def load_image(src: str | Path | bytes, height: int, width: int,
         small = small.transpose(EXIF_TRANSPOSE[orientation])
     if small.mode == "RGBA":
         small = Image.alpha_composite(Image.new("RGBA", small.size, (*bg, 255)), small)
-    upright = small
-    rgb = upright.convert("RGB")
+    rgb = small.convert("RGB")
     size = (width, height)
     if fit.policy == "cover":
         rgb = ImageOps.fit(rgb, size, method=Image.Resampling.LANCZOS)
