@@ -1,7 +1,8 @@
-"""Fast kernels, each beside its plain PyTorch reference; chosen once from a config switch.
+"""Fast kernels, each beside its plain PyTorch reference.
 
 Each module has `reference(...)` (runs anywhere, the definition the kernel is tested against)
-and `select(...)`, which returns the kernel's torch operator (custom_ops.py): the Triton
-kernel on CUDA tensors, the reference on CPU ones. Where a switch is off the model calls the
-reference directly.
+and registers its torch operator through the leaf `registry.py` at import: the Triton kernel
+on CUDA tensors, the reference on CPU ones. `gemm.py` is the one interface to the FP8 GEMMs
+(backends x epilogues). The model chooses among them once, when its ops are built
+(charengine/characters/ops.py); where a switch is off it runs the reference.
 """

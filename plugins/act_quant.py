@@ -15,9 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from charengine import fp8
+from charengine.ops import gated_residual_once, modulate, swiglu
+
+from . import registry
 
 reference = fp8.quantize_rows
 
@@ -25,8 +27,7 @@ reference = fp8.quantize_rows
 def norm_modulate_reference(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """LN(h) * (1 + scale) + shift, quantized per token. h [T, d]; shift, scale [d]."""
-    xm = F.layer_norm(h, (h.shape[-1],), eps=eps) * (1 + scale) + shift
-    return fp8.quantize_rows(xm)
+    return fp8.quantize_rows(modulate(h, shift, scale, eps))
 
 
 def residual_norm_modulate_reference(h: torch.Tensor, o: torch.Tensor, gate: torch.Tensor,
@@ -34,13 +35,13 @@ def residual_norm_modulate_reference(h: torch.Tensor, o: torch.Tensor, gate: tor
     """h + gate * o (the previous block's gated residual, one rounding as torch.addcmul), then
     as `norm_modulate_reference`. h, o [T, d]; gate, shift, scale [d]. Returns (q, scale, the
     new h)."""
-    h = torch.addcmul(h, gate, o)
+    h = gated_residual_once(h, gate, o)
     return (*norm_modulate_reference(h, shift, scale, eps), h)
 
 
 def swiglu_reference(attn: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     """[attn, silu(gate) * up], quantized per token. attn [T, A]; gate, up [T, M]."""
-    return fp8.quantize_rows(torch.cat([attn, F.silu(gate) * up], dim=-1))
+    return fp8.quantize_rows(torch.cat([attn, swiglu(gate, up)], dim=-1))
 
 
 def concat_quant_reference(attn: torch.Tensor, attn_amax: torch.Tensor | None, y: torch.Tensor,
@@ -141,8 +142,8 @@ def pow2_split(n: int) -> tuple[int, int]:
 
 def triton_swiglu_quant_row(attn, gate, up, warps: int = 16):
     """The one-pass kernel (the row in registers, every input read once); arguments and
-    result as `swiglu_reference`. 16 warps: 16.3 against 17.1 us at 8 at the rank slice
-    (sessions 5 and 7, scripts/bench_kernels.py --only act)."""
+    result as `swiglu_reference`. 16 warps: the faster at the rank slice
+    (scripts/bench_kernels.py --only act, docs/PERFORMANCE.md)."""
     T, A, M, q, s = _swiglu_outputs(attn, gate, up)
     from .kernels.act_quant import swiglu_quant_row_kernel
 
@@ -181,8 +182,8 @@ def triton_concat_quant(attn, attn_amax, y, y_amax, chunk: int = 2048, warps: in
     return q, s
 
 
-# The SwiGLU kernel the op runs: the one-pass kernel, 17.4 against 26.1 us for the two-pass
-# one at the rank slice (scripts/bench_kernels.py, docs/PERFORMANCE.md).
+# The SwiGLU kernel the op runs: the one-pass kernel, faster than the two-pass one at the
+# rank slice (scripts/bench_kernels.py, docs/PERFORMANCE.md).
 triton_swiglu = triton_swiglu_quant_row
 
 
@@ -198,10 +199,8 @@ class ActQuantOps:
 
 
 def select() -> ActQuantOps:
-    """The operators (plugins/custom_ops.py): the Triton kernels on CUDA tensors, the
+    """The operators (registered below): the Triton kernels on CUDA tensors, the
     references on CPU ones."""
-    from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
-
     ops = torch.ops.charengine
     return ActQuantOps(ops.act_quant.default, ops.norm_modulate_quant.default,
                        ops.residual_norm_modulate_quant.default, ops.swiglu_quant.default,
@@ -212,3 +211,23 @@ def plain() -> ActQuantOps:
     """The references, used where fused_act_quant is off."""
     return ActQuantOps(reference, norm_modulate_reference, residual_norm_modulate_reference,
                        swiglu_reference, concat_quant_reference)
+
+
+registry.register("act_quant", "(Tensor x) -> (Tensor, Tensor)", reference, triton_act_quant,
+                  lambda x: registry.rows_and_scale(x, x.shape[1]))
+registry.register("norm_modulate_quant",
+                  "(Tensor h, Tensor shift, Tensor scale, float eps) -> (Tensor, Tensor)",
+                  norm_modulate_reference, triton_norm_modulate_quant,
+                  lambda h, shift, scale, eps: registry.rows_and_scale(h, h.shape[1]))
+registry.register("residual_norm_modulate_quant",
+                  "(Tensor h, Tensor o, Tensor gate, Tensor shift, Tensor scale, float eps) "
+                  "-> (Tensor, Tensor, Tensor)",
+                  residual_norm_modulate_reference, triton_residual_norm_modulate_quant,
+                  lambda h, o, gate, shift, scale, eps: (*registry.rows_and_scale(h, h.shape[1]),
+                                                         torch.empty_like(h)))
+registry.register("swiglu_quant", "(Tensor attn_out, Tensor gate, Tensor up) -> (Tensor, Tensor)",
+                  swiglu_reference, triton_swiglu,
+                  lambda a, gate, up: registry.rows_and_scale(a, a.shape[1] + gate.shape[1]))
+registry.register("concat_quant", "(Tensor attn_out, Tensor? attn_amax, Tensor y, Tensor y_amax) "
+                  "-> (Tensor, Tensor)", concat_quant_reference, triton_concat_quant,
+                  lambda a, am, y, ym: registry.rows_and_scale(a, a.shape[1] + y.shape[1]))

@@ -22,6 +22,8 @@ import torch
 
 from charengine import fp8
 
+from . import registry
+
 P_SCALE = 256.0
 LOG2_P_SCALE = math.log2(P_SCALE)
 
@@ -136,8 +138,7 @@ def supports(head_dim: int) -> bool:
 
 
 def select(head_dim: int, tiles: AttentionTiles | None = None):
-    """For head dims the kernel supports, the custom op (plugins/custom_ops.py: the Triton
-    kernel with `tiles`, else the default, on CUDA tensors; the reference on CPU ones), with
+    """For head dims the kernel supports, the op (registered below: the Triton kernel with `tiles`, else the default, on CUDA tensors; the reference on CPU ones), with
     `reference`'s signature; else the reference."""
     if not supports(head_dim):
         return reference
@@ -152,14 +153,45 @@ def select_amax(head_dim: int, tiles: AttentionTiles | None = None):
 
 
 def _op_amax(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles: str):
-    from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
-
     return torch.ops.charengine.fp8_attention_amax.default(q8, q_scale, k8, v8, k_scale,
                                                            v_scale, out_dtype, tiles)
 
 
 def _op(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles: str):
-    from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
-
     return torch.ops.charengine.fp8_attention.default(q8, q_scale, k8, v8, k_scale, v_scale,
                                                       out_dtype, tiles)
+
+
+def _kernel(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
+    return triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
+                            AttentionTiles.parse(tiles))
+
+
+def _amax_kernel(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
+    H, T, _ = q8.shape
+    amax = torch.empty((H, T), dtype=torch.float32, device=q8.device)
+    out = triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
+                           AttentionTiles.parse(tiles), amax=amax)
+    return out, amax.t()
+
+
+def _fake(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
+    H, T, D = q8.shape
+    return q8.new_empty((T, H * D), dtype=out_dtype)
+
+
+def _amax_fake(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles):
+    H, T, D = q8.shape
+    return (q8.new_empty((T, H * D), dtype=out_dtype),
+            q8.new_empty((H, T), dtype=torch.float32).t())
+
+
+_SCHEMA = ("(Tensor q8, Tensor q_scale, Tensor k8, Tensor v8, Tensor k_scale, Tensor v_scale, "
+           "ScalarType out_dtype, str tiles) -> ")
+registry.register("fp8_attention", _SCHEMA + "Tensor",
+                  lambda q8, qs, k8, v8, ks, vs, dt, tiles: reference(q8, qs, k8, v8, ks, vs, dt),
+                  _kernel, _fake)
+registry.register("fp8_attention_amax", _SCHEMA + "(Tensor, Tensor)",
+                  lambda q8, qs, k8, v8, ks, vs, dt, tiles: reference_amax(q8, qs, k8, v8, ks,
+                                                                           vs, dt),
+                  _amax_kernel, _amax_fake)

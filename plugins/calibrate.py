@@ -14,6 +14,8 @@ import torch
 
 from charengine import fp8
 
+from . import registry
+
 
 def reference(k: torch.Tensor, v: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
               scale: torch.Tensor, margin: float, fp8_max: float) -> None:
@@ -22,7 +24,7 @@ def reference(k: torch.Tensor, v: torch.Tensor, k8: torch.Tensor, v8: torch.Tens
     One cache at a time, so the fp32 temporaries stay one cache's size."""
     for c in range(k.shape[0]):
         for i, (src, dst) in enumerate(((k, k8), (v, v8))):
-            amax = src[c].float().abs().amax(dim=(1, 2)).clamp_min(1e-12)  # [heads]
+            amax = src[c].float().abs().amax(dim=(1, 2)).clamp_min(fp8.TINY)  # [heads]
             scale[c, i] = (amax * margin / fp8_max)[:, None, None]
             dst[c] = fp8.quantize(src[c], scale[c, i])
 
@@ -44,7 +46,7 @@ def triton_calibrate(k, v, k8, v8, scale, margin: float, fp8_max: float,
     for i, src in enumerate((k, v)):
         cache_amax_kernel[grid](src, amax[i], S, src.stride(1), src.stride(2), D=D,
                                 BLOCK_S=block_s, BLOCK_D=block_d)
-    s = amax.clamp_min(1e-12) * margin / fp8_max  # [2, C * H], as the reference rounds
+    s = amax.clamp_min(fp8.TINY) * margin / fp8_max  # [2, C * H], as the reference rounds
     scale.copy_(s.view(2, C, H).permute(1, 0, 2)[..., None, None])
     for i, (src, dst) in enumerate(((k, k8), (v, v8))):
         cache_quantize_kernel[grid](src, s[i], dst, S, H, src.stride(1), src.stride(2),
@@ -53,8 +55,11 @@ def triton_calibrate(k, v, k8, v8, scale, margin: float, fp8_max: float,
 
 
 def select():
-    """The operator (plugins/custom_ops.py): the kernels on CUDA tensors, the reference on
-    CPU ones."""
-    from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
-
+    """The op (registered below): the kernels on CUDA tensors, the reference on CPU
+    ones."""
     return torch.ops.charengine.calibrate_cache.default
+
+
+registry.register("calibrate_cache", "(Tensor k, Tensor v, Tensor(a!) k8, Tensor(b!) v8, "
+                  "Tensor(c!) scale, float margin, float fp8_max) -> ()", reference,
+                  triton_calibrate, lambda *args: None)

@@ -12,6 +12,8 @@ import torch
 from charengine import fp8
 from charengine.rope import rotate_temporal_f32
 
+from . import registry
+
 
 def reference(k8: torch.Tensor, k_scale: torch.Tensor, first_slot: int,
               omega_t: torch.Tensor, delta: float) -> None:
@@ -42,8 +44,11 @@ def triton_delta_rotation(k8, k_scale, first_slot, omega_t, delta, block_r: int 
 
 
 def select():
-    """The custom op (plugins/custom_ops.py): the Triton kernel on CUDA tensors, the reference
-    on CPU ones."""
-    from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
-
+    """The op (registered below): the Triton kernel on CUDA tensors, the reference on CPU
+    ones."""
     return torch.ops.charengine.delta_rotation.default
+
+
+registry.register("delta_rotation", "(Tensor(a!) k8, Tensor k_scale, int first_slot, "
+                  "Tensor omega_t, float delta) -> ()", reference, triton_delta_rotation,
+                  lambda *args: None)

@@ -1,24 +1,19 @@
-"""FP8 GEMM with rowwise scales, chosen per shape: cuBLASLt through `torch._scaled_mm` (with
-or without fast accumulation, a numerics switch) or a Triton kernel with its tile sizes.
-
-charbuild times both on the target GPU at each block linear's steady-state shape (M =
-tokens per frame, the rank's own weights), and QuACK's CuTe DSL GEMM at `quack_gemm.CANDIDATES`
-where quack-kernels is installed, and records the winner in the engine (manifest
-`kernels.gemm_plan`); the model then calls `op(choice)` at that shape and `_scaled_mm` at
-every other. scripts/bench_kernels.py sweeps the Triton kernel's tiles."""
+"""The Triton backend of the FP8 GEMM with rowwise scales (plugins/gemm.py chooses among
+backends): tile sizes as a `GemmTiles`, partial sums promoted to fp32 as the numerics say.
+scripts/bench_kernels.py sweeps its tiles."""
 
 from __future__ import annotations
 
 import functools
-import statistics
 from dataclasses import astuple, dataclass
 
 import torch
 
 from charengine import fp8
 
+from . import registry
+
 reference = fp8.scaled_mm
-CHOICES = ("scaled_mm", "triton")
 
 
 @dataclass(frozen=True)
@@ -76,64 +71,30 @@ def triton_scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
 
 def _triton(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum: bool = False,
             tiles: str = GemmTiles().spec()):
-    """The Triton kernel's custom op (plugins/custom_ops.py; the CPU emulation on CPU tensors)
-    with fp8.scaled_mm's signature and the tiles' spec."""
-    from . import custom_ops  # noqa: F401  (registers torch.ops.charengine)
-
+    """The Triton kernel's op (registered below; the exact emulation on CPU tensors) with
+    fp8.scaled_mm's signature and the tiles' spec."""
     return torch.ops.charengine.fp8_gemm.default(a_q, a_scale, w_q, w_scale, out_dtype,
                                                  fast_accum, tiles)
 
 
-def op(choice: str | None):
-    """The GEMM for a recorded choice (None: the default, `_scaled_mm`): "scaled_mm",
-    "triton" (default tiles), "triton:<GemmTiles spec>", or "quack[:<QuackTiles spec>]"
-    (plugins/quack_gemm.py, where quack is installed)."""
-    if choice in (None, "scaled_mm"):
-        return reference
-    name, _, spec = choice.partition(":")
-    if name == "triton":
-        return functools.partial(_triton, tiles=GemmTiles.parse(spec).spec() if spec
-                                 else GemmTiles().spec())
-    if name == "quack":
-        from . import quack_gemm
-
-        tiles = quack_gemm.QuackTiles.parse(spec) if spec else quack_gemm.QuackTiles()
-        if not quack_gemm.available():
-            raise ValueError(f"GEMM choice {choice!r} needs quack-kernels, not installed here")
-        return functools.partial(quack_gemm.quack_scaled_mm, tiles=tiles)
-    raise ValueError(f"unknown GEMM choice {choice!r}; known: {', '.join(CHOICES)}, quack")
+def op(tiles: str = ""):
+    """The Triton GEMM with `tiles` (a GemmTiles spec; the default tiles when empty)."""
+    return functools.partial(_triton, tiles=GemmTiles.parse(tiles).spec() if tiles
+                             else GemmTiles().spec())
 
 
-def time_choices(weights: list[tuple[torch.Tensor, torch.Tensor]], m: int, out_dtype,
-                 fast_accum: bool, reps: int = 5, choices=CHOICES, gemm_for=None
-                 ) -> dict[str, float]:
-    """Microseconds per call of each choice at [m, K] x [N, K]^T on the weights' GPU, calls
-    walking over `weights` (every block's, so they stream from memory as in a step); the
-    median of `reps` passes after one warm pass. `gemm_for(choice)` gives the op timed (by
-    default `op`, the plain GEMM; a builder passes the epilogue variant its switches run); a
-    choice it refuses with ValueError (tiles that do not fit the shape) is left out."""
-    dev = weights[0][0].device
-    g = torch.Generator(device=dev).manual_seed(0)
-    a_q, a_s = fp8.quantize_rows(torch.randn(m, weights[0][0].shape[1], device=dev, generator=g))
-    out = {}
-    for choice in choices:
-        gemm = (gemm_for or op)(choice)
-        try:
-            gemm(a_q, a_s, *weights[0], out_dtype, fast_accum)
-        except ValueError:
-            continue
-        passes = []
-        for _ in range(reps + 1):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for w_q, w_s in weights:
-                gemm(a_q, a_s, w_q, w_s, out_dtype, fast_accum)
-            b.record()
-            b.synchronize()
-            passes.append(1e3 * a.elapsed_time(b) / len(weights))
-        out[choice] = statistics.median(passes[1:])
-    return out
+def _kernel(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, tiles):
+    return triton_scaled_mm(a_q, a_scale, w_q, w_scale, out_dtype, GemmTiles.parse(tiles),
+                            fast_accum)
 
 
-def choose(times: dict[str, float]) -> str:
-    return min(times, key=times.get)
+def _reference(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, tiles):
+    """The exact emulation: fp32 sums of exact products (no reduced-precision accumulator)."""
+    return reference(a_q, a_scale, w_q, w_scale, out_dtype)
+
+
+registry.register("fp8_gemm", "(Tensor a_q, Tensor a_scale, Tensor w_q, Tensor w_scale, "
+                  "ScalarType out_dtype, bool fast_accum, str tiles) -> Tensor",
+                  _reference, _kernel,
+                  lambda a_q, a_s, w_q, w_s, out_dtype, fast_accum, tiles: a_q.new_empty(
+                      (a_q.shape[0], w_q.shape[0]), dtype=out_dtype))

@@ -42,6 +42,19 @@ def reference(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
                                               fast_accum))
 
 
+def symmetric_memory_available(device: torch.device, peer_devices: list[str]) -> bool:
+    """Whether the TP group's GPUs can map each other's memory: torch's symmetric memory is
+    built in, and `device` has peer access to every other device of the group."""
+    if device.type != "cuda":
+        return False
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    peers = {torch.device(d) for d in peer_devices} - {device}
+    return all(torch.cuda.can_device_access_peer(device, p) for p in peers)
+
+
 def use_fused(device: torch.device, world: int, shape: tuple[int, int],
               steady: tuple[int, int], symmetric_memory: bool) -> bool:
     """The dispatch rule: the fused kernel only on CUDA, for more than one rank, with
@@ -143,7 +156,7 @@ class SymmetricGemmAllReduce:
                  residual=None):
         """`residual`: the residual stream, the same on every rank, added once to the sum."""
         shape = (a_q.shape[0], w_q.shape[0])
-        if not use_fused(a_q.device, self.x.world, shape, self.steady, True):
+        if shape != self.steady:  # bound where symmetric memory was found, at one shape
             return reference(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, all_reduce,
                              residual if self.x.rank == 0 else None)
         gemm_push(self.x, a_q, a_scale, w_q, w_scale, self.tiles, fast_accum)

@@ -70,25 +70,3 @@ class LtGemmResidual:
         mm = self.matmul(M, N, K, out_dtype, fast_accum, residual is not None)
         return mm(a_q, a_scale.float().reshape(M).contiguous(), w_q,
                   w_scale.float().contiguous(), residual)
-
-
-def select(device, choice: str | None = None):
-    """The op for the output projection's planned GEMM `choice` (plugins/fp8_gemm.op's
-    names): on a CUDA device, cuBLASLt for "scaled_mm" (or None), QuACK's C input for
-    "quack[:<tiles>]", None for a choice with no residual epilogue (the Triton GEMM); the
-    reference on any other device."""
-    device = torch.device(device)
-    name, _, spec = (choice or "scaled_mm").partition(":")
-    if name == "quack":
-        import functools
-
-        from . import quack_gemm
-
-        if device.type == "cuda" and not quack_gemm.available():
-            raise ValueError(f"GEMM choice {choice!r} needs quack-kernels, not installed here")
-        return functools.partial(quack_gemm.quack_scaled_mm_residual,
-                                 tiles=quack_gemm.QuackTiles.parse(spec) if spec
-                                 else quack_gemm.QuackTiles())
-    if name != "scaled_mm":
-        return None
-    return LtGemmResidual(device) if device.type == "cuda" else reference

@@ -17,6 +17,8 @@ from charengine import fp8
 from charengine.ops import rms_norm_heads
 from charengine.rope import rotate
 
+from . import registry
+
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
               k_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
@@ -71,9 +73,42 @@ def triton_pre_attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_stor
     return (q_out, q_scale) if quantize_q else q_out
 
 
-def select():
-    """The custom op (plugins/custom_ops.py): the Triton kernel on CUDA tensors, the reference
-    on CPU ones; `reference`'s signature and result."""
-    from .custom_ops import pre_attention_op
+def op(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale,
+       write_index, quantize_q: bool = False):
+    """The registered op with `reference`'s signature and result."""
+    out, q_scale = torch.ops.charengine.pre_attention.default(
+        q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale, write_index,
+        quantize_q)
+    return (out, q_scale) if quantize_q else out
 
-    return pre_attention_op
+
+def select():
+    """The op (registered below): the Triton kernel on CUDA tensors, the reference on CPU
+    ones; `reference`'s signature and result."""
+    return op
+
+
+def _as_op(kernel):
+    """`kernel` with the op's fixed outputs (an empty scale without quantize_q)."""
+    def run(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale,
+            write_index, quantize_q):
+        out = kernel(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale,
+                     write_index, quantize_q)
+        return out if quantize_q else (out, registry.no_scale(q))
+    return run
+
+
+def _fake(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale,
+          write_index, quantize_q):
+    H, T, D = q.shape
+    if quantize_q:
+        return (q.new_empty((H, T, D), dtype=fp8.FP8),
+                q.new_empty((H, T, 1), dtype=torch.float32))
+    return q.new_empty((H, T, D)), registry.no_scale(q)
+
+
+registry.register("pre_attention",
+                  "(Tensor q, Tensor k, Tensor v, Tensor q_norm, Tensor k_norm, float eps, "
+                  "Tensor cos, Tensor sin, Tensor(a!) k_store, Tensor(b!) v_store, "
+                  "Tensor? k_scale, Tensor? v_scale, Tensor write_index, bool quantize_q) "
+                  "-> (Tensor, Tensor)", _as_op(reference), _as_op(triton_pre_attention), _fake)

@@ -1,7 +1,7 @@
 """FP8 GEMMs with rowwise scales through QuACK (quack-kernels): a persistent,
 warp-specialized CuTe DSL GEMM for Hopper, the scales applied in its epilogue
 (plugins/kernels/quack_epilogues.py). The CUTLASS DSL candidate of the per-shape GEMM choice
-(`fp8_gemm.op("quack:<tiles>")`), and the GEMMs with more in their epilogues: the residual
+(plugins/gemm.py: the choice "quack:<tiles>"), and the GEMMs with more in their epilogues: the residual
 (`quack_scaled_mm_residual`, for gemm_residual) and SwiGLU with its row maxima
 (`quack_swiglu_mm`, for gemm_swiglu). On CPU tensors, the references.
 
@@ -21,6 +21,8 @@ from dataclasses import astuple, dataclass
 import torch
 
 from charengine import fp8
+
+from . import gemm_residual
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class QuackTiles:
 
 
 # The tiles charbuild times (the fastest at the TP-3 rank slice's two projections and their
-# epilogue variants, sessions 7 and 8: scripts/bench_kernels.py --only gemm epilogues)
+# epilogue variants: scripts/bench_kernels.py --only gemm epilogues, docs/PERFORMANCE.md)
 CANDIDATES = ("128,256,2,1,0", "128,192,2,1,1", "256,192,1,2,0", "256,160,1,2,0")
 
 
@@ -86,9 +88,7 @@ def quack_scaled_mm_residual(a_q, a_scale, w_q, w_scale, residual, out_dtype, fa
     """As plugins/gemm_residual.reference: residual [M, N] (or None) added to the scaled
     product in the epilogue (QuACK's C input), rounded once."""
     if not a_q.is_cuda:
-        from .gemm_residual import reference
-
-        return reference(a_q, a_scale, w_q, w_scale, residual, out_dtype, fast_accum)
+        return gemm_residual.reference(a_q, a_scale, w_q, w_scale, residual, out_dtype, fast_accum)
     if residual is None:
         return quack_scaled_mm(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, tiles)
     from .kernels.quack_epilogues import rowwise_scaled_residual
@@ -151,22 +151,6 @@ def quack_swiglu_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
 # The SwiGLU projection's tiles where the plan names none (the fastest measured at the TP-3
 # rank slice, scripts/bench_kernels.py --only epilogues, docs/PERFORMANCE.md)
 SWIGLU_TILES = QuackTiles(128, 192, 2, 1, True)
-
-
-def select_swiglu(device, choice: str | None = None):
-    """The input projection with SwiGLU for the plan's choice: QuACK's tiles where it is
-    "quack:<tiles>", else SWIGLU_TILES; on a CUDA device QuACK's epilogue (an error where
-    quack is missing), else the reference."""
-    import functools
-
-    name, _, spec = (choice or "").partition(":")
-    spec = spec if name == "quack" else ""
-    if torch.device(device).type != "cuda":
-        return swiglu_reference
-    if not available():
-        raise ValueError("gemm_swiglu needs quack-kernels on a GPU, not installed here")
-    return functools.partial(quack_swiglu_mm,
-                             tiles=QuackTiles.parse(spec) if spec else SWIGLU_TILES)
 
 
 def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:

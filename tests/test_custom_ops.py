@@ -1,4 +1,4 @@
-"""The plugin kernels as torch custom ops (plugins/custom_ops.py): torch's own op checks
+"""The plugin kernels as torch ops (each registered by its module through plugins/registry.py): torch's own op checks
 (schema and declared mutations, fake kernels against real outputs, dispatch) on real inputs,
 on CPU (the references) and, on a GPU, CUDA (the Triton kernels)."""
 
@@ -9,8 +9,8 @@ from torch.library import opcheck
 OPS = torch.ops.charengine
 
 from charengine import fp8
-from charengine.plugins import act_quant, attention, custom_ops, delta_rotation, fp8_gemm, \
-    pre_attention  # noqa: F401  (custom_ops registers torch.ops.charengine)
+from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, \
+    gemm, pre_attention  # noqa: F401  (each registers its torch.ops.charengine op)
 from charengine.rope import cos_sin
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -120,7 +120,7 @@ def test_on_cpu_the_ops_are_the_references():
         rnd(2, 2, 20, 32, device="cpu", g=gen("cpu", 3), scale=3), 0.05).view(torch.uint8)[:, :, 5:])
     a8, a_s = fp8.quantize_rows(rnd(9, 64, device="cpu", g=g))
     w8, w_s = fp8.quantize_rows(rnd(48, 64, device="cpu", g=g))
-    assert torch.equal(fp8_gemm.op("triton")(a8, a_s, w8, w_s.reshape(-1), torch.bfloat16),
+    assert torch.equal(gemm.select("triton")(a8, a_s, w8, w_s.reshape(-1), torch.bfloat16),
                        fp8_gemm.reference(a8, a_s, w8, w_s.reshape(-1), torch.bfloat16))
 
 
@@ -135,7 +135,7 @@ def test_the_quack_gemm_choice_reads_its_tiles_and_says_what_it_needs():
         quack_gemm.QuackTiles.parse("128,256,2,1")
     if not quack_gemm.available():
         with pytest.raises(ValueError, match="quack-kernels"):
-            fp8_gemm.op("quack:128,256,2,1,0")
+            gemm.select("quack:128,256,2,1,0")
     g = gen("cpu", 5)
     a8, a_s = fp8.quantize_rows(rnd(9, 64, device="cpu", g=g))
     w8, w_s = fp8.quantize_rows(rnd(48, 64, device="cpu", g=g))

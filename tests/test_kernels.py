@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from charengine import fp8
-from charengine.config import PRESETS, Switches, preset
-from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, \
+from charengine.characters.spec import PRESETS
+from charengine.config import Switches, preset
+from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, gemm, \
     gemm_residual, pre_attention
 from charengine.rope import cos_sin
 from rollout import rel_err
@@ -238,8 +239,9 @@ def test_triton_fp8_gemm_accumulates_as_cublaslt_does(M, N, K):
     """Hopper's FP8 tensor cores sum at reduced precision unless the partial sums are promoted
     to fp32: cuBLASLt promotes by default and not with fast accumulation, and the Triton
     kernel follows the same numerics switch. fp32 outputs, so the error is the accumulation's,
-    against fp32 sums of the exact products: over a long sum (K = 12,800) the unpromoted ones
-    are 2.7e-3 off (bf16 rounding is 1.7e-3), the promoted ones 1.3e-4."""
+    against fp32 sums of the exact products: over a long sum (K = 12,800) the promoted ones
+    are less than a tenth as far off as the unpromoted ones (the errors: docs/PERFORMANCE.md,
+    "Fast accumulation")."""
     g = torch.Generator(device=DEV).manual_seed(N)
     aq, a_s = fp8.quantize_rows(torch.randn(M, K, device=DEV, generator=g))
     wq, ws = fp8.quantize_rows(torch.randn(N, K, device=DEV, generator=g))
@@ -252,7 +254,7 @@ def test_triton_fp8_gemm_accumulates_as_cublaslt_does(M, N, K):
                                                               fast_accum=fast))):
             err[lib, fast] = float(rel_err(exact[None], out[None])[0])
     assert max(err.values()) < 1e-2, err  # and the shapes and masks are right
-    for fast in (False, True):  # the same numerics (measured: equal to 8 digits)
+    for fast in (False, True):  # the same numerics (docs/PERFORMANCE.md, "Fast accumulation")
         assert err["triton", fast] <= 1.01 * err["cublaslt", fast] + 1e-7, err
     if K > 1024:
         for lib in ("cublaslt", "triton"):
@@ -318,8 +320,8 @@ def test_step_with_the_triton_gemm_planned_matches_cublaslt():
 def test_quack_fp8_gemm_matches_cublaslt_fast_accumulation(M, N, K):
     """The CuTe DSL GEMM (plugins/quack_gemm.py; skipped where quack-kernels is not
     installed) with the rowwise scales in its epilogue: in bf16 outputs its error against
-    exact sums equals cuBLASLt's with fast accumulation (measured by bench_kernels: equal to
-    five digits at both projections)."""
+    exact sums equals cuBLASLt's with fast accumulation (bench_kernels' numbers:
+    docs/PERFORMANCE.md, "A CuTe DSL GEMM: QuACK")."""
     pytest.importorskip("quack")
     from charengine.plugins import quack_gemm
 
@@ -382,7 +384,7 @@ def test_quack_residual_epilogue_matches_cublaslt(M, N, K):
     ws = ws[:, 0].contiguous()
     h = (torch.randn(M, N, device=DEV, generator=g) * 4).to(torch.bfloat16)
     exact = (aq.float() @ wq.float().t()) * a_s * ws[None, :] + h.float()
-    lt = gemm_residual.select(DEV)(aq, a_s, wq, ws, h, torch.bfloat16, True)
+    lt = gemm.select("scaled_mm", "residual", DEV)(aq, a_s, wq, ws, h, torch.bfloat16, True)
     torch.empty(M * N * 4, dtype=torch.uint8, device=DEV).fill_(0xFF)  # poison the pool
     out = quack_gemm.quack_scaled_mm_residual(aq, a_s, wq, ws, h, torch.bfloat16, True,
                                               quack_gemm.QuackTiles.parse("128,192,2,1,1"))
@@ -432,9 +434,10 @@ def test_the_gemm_timing_covers_both_choices():
     g = torch.Generator(device=DEV).manual_seed(0)
     weights = [(fp8_tensor((512, 1024), g), torch.rand(512, device=DEV, generator=g) + 0.5)
                for _ in range(4)]
-    times = fp8_gemm.time_choices(weights, 757, torch.bfloat16, False, reps=2)
-    assert set(times) == set(fp8_gemm.CHOICES) and all(t > 0 for t in times.values())
-    assert fp8_gemm.choose(times) in fp8_gemm.CHOICES
+    choices = gemm.candidates("plain", quack=False)
+    times = gemm.time_choices(weights, 757, torch.bfloat16, False, choices, reps=2)
+    assert set(times) == set(choices) == {"scaled_mm", "triton"}
+    assert all(t > 0 for t in times.values()) and gemm.choose(times) in choices
 
 
 def test_pre_attention_writes_a_transposed_value_store():

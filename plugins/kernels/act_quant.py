@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .fp8_math import to_e4m3
+from .fp8_math import AMAX_FLOOR, FP8_MAX, to_e4m3
 
 
 @triton.jit
@@ -15,7 +15,7 @@ def act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.const
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    scale = tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR) / FP8_MAX
     tl.store(s_ptr + row, scale)
     r = tl.math.div_rn(1.0, scale)
     for k in range(0, K, BLOCK):
@@ -30,11 +30,11 @@ def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, o_ptr,
                                BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
     """One token's row: with RESIDUAL, first h + gate * o (the previous block's gated
     residual, rounded to the compute dtype and stored), then LN, modulation and the per-token
-    quantization. The row waits for its reductions in the compute dtype (68 registers a
-    thread at 8 warps, against 200 in fp32; no faster alone, the division was the cost).
-    (Several rows per program, sharing the modulation vectors, measured slower: 23.6-37.8
-    against 22.5 us at the rank slice; so did a persistent grid prefetching the next row,
-    28-38 us, and chunked passes re-reading the row from L2, 21-30 us.)"""
+    quantization. The row waits for its reductions in the compute dtype (fewer registers
+    than fp32; no faster alone, the division was the cost). Several rows per program
+    sharing the modulation vectors, a persistent grid prefetching the next row and chunked
+    passes re-reading the row from L2 all measured slower (docs/PERFORMANCE.md, "Kernels
+    alone")."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < d
@@ -53,7 +53,7 @@ def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, o_ptr,
     one_plus = (1.0 + sc).to(dt).to(tl.float32)
     sh = tl.load(shift_ptr + offs, mask=m, other=0.0).to(tl.float32)
     xm = tl.where(m, ((xn * one_plus).to(dt).to(tl.float32) + sh).to(dt), 0.0)
-    s = tl.maximum(tl.max(tl.abs(xm.to(tl.float32)), 0), 1e-12) / 448.0
+    s = tl.maximum(tl.max(tl.abs(xm.to(tl.float32)), 0), AMAX_FLOOR) / FP8_MAX
     tl.store(s_ptr + row, s)
     r = tl.math.div_rn(1.0, s)
     tl.store(q_ptr + row * stride_q + offs, to_e4m3(xm.to(tl.float32), s, r), mask=m)
@@ -79,7 +79,9 @@ def swiglu_quant_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, strid
                              stride_u, stride_q, BLOCK: tl.constexpr):
     """One token's row [attn, silu(gate) * up] in chunks of BLOCK: an amax pass, then a
     quantize pass (SwiGLU computed twice, its inputs read twice, the second time mostly from
-    L2; faster at the rank-slice width than holding the row in registers)."""
+    L2). It keeps div_rn, as the reference of swiglu_quant_row_kernel's bytes; that kernel,
+    which holds the row in registers, is the faster at the rank slice (docs/PERFORMANCE.md,
+    "Kernels alone")."""
     row = tl.program_id(0)
     dt = a_ptr.dtype.element_ty
     a_row, g_row, u_row = a_ptr + row * stride_a, g_ptr + row * stride_g, u_ptr + row * stride_u
@@ -91,18 +93,18 @@ def swiglu_quant_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, strid
     for k in range(0, M, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(_swiglu(g_row, u_row, offs, offs < M, dt)))
-    s = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    s = tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR) / FP8_MAX
     tl.store(s_ptr + row, s)
     q_row = q_ptr + row * stride_q
     for k in range(0, A, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(a_row + offs, mask=offs < A, other=0.0).to(tl.float32)
-        y = tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0)
+        y = tl.clamp(tl.math.div_rn(x, s), -FP8_MAX, FP8_MAX)
         tl.store(q_row + offs, y.to(tl.float8e4nv), mask=offs < A)
     for k in range(0, M, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         y = tl.clamp(tl.math.div_rn(_swiglu(g_row, u_row, offs, offs < M, dt), s),
-                     -448.0, 448.0)
+                     -FP8_MAX, FP8_MAX)
         tl.store(q_row + A + offs, y.to(tl.float8e4nv), mask=offs < M)
 
 
@@ -116,10 +118,10 @@ def swiglu_quant_row_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, s
                             stride_u, stride_q, A_HI: tl.constexpr, A_LO: tl.constexpr,
                             M_HI: tl.constexpr, M_LO: tl.constexpr):
     """One token's row [attn, silu(gate) * up] in one pass, held in registers in the compute
-    dtype (73 registers a thread at 8 warps, against 128 for fp32: 18.0 against 19.7 us at
-    the rank slice, before fp8_math.div_scale took it to 15.6): each part as its largest
-    power of two (HI, no mask) and the power of two that covers the rest (LO, masked; 0 when
-    there is none), so a 10,240-wide MLP row takes 8,192 + 2,048 lanes instead of 16,384.
+    dtype (fewer registers than fp32, and faster; docs/PERFORMANCE.md, "Kernels alone"):
+    each part as its largest power of two (HI, no mask) and the power of two that covers the
+    rest (LO, masked; 0 when there is none), so a 10,240-wide MLP row takes 8,192 + 2,048
+    lanes instead of 16,384.
     Every input is read once; the per-element arithmetic is swiglu_quant_kernel's (which
     keeps div_rn: the test that the two kernels' bytes are equal checks div_scale)."""
     row = tl.program_id(0)
@@ -140,7 +142,7 @@ def swiglu_quant_row_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, s
         oml = M_HI + tl.arange(0, M_LO)
         y_lo = _swiglu_dt(g_row, u_row, oml, oml < M, dt)
         amax = tl.maximum(amax, tl.max(tl.abs(y_lo.to(tl.float32)), 0))
-    s = tl.maximum(amax, 1e-12) / 448.0
+    s = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
     tl.store(s_ptr + row, s)
     r = tl.math.div_rn(1.0, s)
     _quant_store(q_row + oa, a_hi, s, r, None)
@@ -175,7 +177,7 @@ def concat_quant_kernel(a_ptr, am_ptr, y_ptr, ym_ptr, q_ptr, s_ptr, A, F, PA, PY
         oa = tl.arange(0, A_BLOCK)
         amax = tl.maximum(amax, tl.max(tl.abs(tl.load(a_ptr + row * stride_a + oa, mask=oa < A,
                                                       other=0.0).to(tl.float32)), 0))
-    s = tl.maximum(amax, 1e-12) / 448.0
+    s = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
     tl.store(s_ptr + row, s, mask=chunk == 0)
     r = tl.math.div_rn(1.0, s)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)

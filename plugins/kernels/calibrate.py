@@ -25,7 +25,7 @@ def cache_quantize_kernel(x_ptr, scale_ptr, q_ptr, S, H, stride_row, stride_s, q
                           q_stride_h, q_stride_s, q_stride_d, D: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (row, tile): BLOCK_S slots of one (cache, head) row divided by the row's scale,
-    saturated to +-448 and rounded to e4m3, stored through the destination's strides (a value
+    saturated to +-FP8_MAX and rounded to e4m3, stored through the destination's strides (a value
     store kept [head_dim, slots] is written transposed)."""
     row = tl.program_id(0)
     c = (row // H).to(tl.int64)

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .fp8_math import div_scale
+from .fp8_math import FP8_MAX, div_scale
 
 
 @triton.jit
@@ -27,7 +27,7 @@ def delta_rotation_kernel(k_ptr, s_ptr, cos_ptr, sin_ptr, rows, H, W, G,
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * scale
     x0, x1 = tl.split(tl.reshape(x, [BLOCK_R, BLOCK_J, 2]))
     r_scale = tl.math.div_rn(1.0, scale)
-    y0 = tl.clamp(div_scale(x0 * cs - x1 * sn, scale, r_scale), -448.0, 448.0)
-    y1 = tl.clamp(div_scale(x0 * sn + x1 * cs, scale, r_scale), -448.0, 448.0)
+    y0 = tl.clamp(div_scale(x0 * cs - x1 * sn, scale, r_scale), -FP8_MAX, FP8_MAX)
+    y1 = tl.clamp(div_scale(x0 * sn + x1 * cs, scale, r_scale), -FP8_MAX, FP8_MAX)
     y = tl.reshape(tl.join(y0, y1), [BLOCK_R, 2 * BLOCK_J])
     tl.store(ptrs, y.to(tl.float8e4nv), mask=mask)

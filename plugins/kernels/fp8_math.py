@@ -1,8 +1,16 @@
-"""The FP8 quantization step the kernels share: x / scale, saturated to +-448, rounded to
-e4m3 (imported only where Triton and a GPU are)."""
+"""The FP8 quantization step the kernels share: x / scale, saturated to +-FP8_MAX, rounded to
+e4m3, and the constants every kernel takes from charengine/fp8.py (imported only where Triton
+and a GPU are)."""
 
 import triton
 import triton.language as tl
+
+from charengine import fp8
+
+# Module globals a @triton.jit function reads must be tl.constexpr. Each kernel module imports
+# these names, so that its own functions can read them.
+FP8_MAX = tl.constexpr(fp8.FP8_MAX)  # e4m3's largest finite value (448)
+AMAX_FLOOR = tl.constexpr(fp8.TINY)  # the least amax a scale is taken from (an all-zero row)
 
 
 @triton.jit
@@ -12,13 +20,13 @@ def div_scale(x, s, r):
     the correctly rounded quotient that div_rn gives, save rare corner cases, where the two
     are one fp32 unit apart and the e4m3 code moves only at a rounding tie. The per-element
     div_rn was most of these kernels' instructions, and they are instruction-bound at the rank
-    slice: LN + modulate + residual + quant 19.7 -> 14.3 us, SwiGLU + quant 18.0 -> 15.6 us,
-    both bit-identical to div_rn (scripts/bench_kernels.py, tests/test_kernels.py)."""
+    slice; the kernels stay bit-identical to div_rn (tests/test_act_quant.py,
+    tests/test_kernels.py; the timings: docs/PERFORMANCE.md, "Kernels alone")."""
     q = x * r
     return tl.math.fma(tl.math.fma(-q, s, x), r, q)
 
 
 @triton.jit
 def to_e4m3(x, s, r):
-    """x (fp32) quantized with scale s (r = div_rn(1, s)): clamp(x / s, +-448) as e4m3."""
-    return tl.clamp(div_scale(x, s, r), -448.0, 448.0).to(tl.float8e4nv)
+    """x (fp32) quantized with scale s (r = div_rn(1, s)): clamp(x / s, +-FP8_MAX) as e4m3."""
+    return tl.clamp(div_scale(x, s, r), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)

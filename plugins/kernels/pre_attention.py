@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .fp8_math import div_scale, to_e4m3
+from .fp8_math import AMAX_FLOOR, FP8_MAX, div_scale, to_e4m3
 
 
 @triton.jit
@@ -30,8 +30,8 @@ def pre_attention_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, 
                          D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                          QUANT: tl.constexpr, QUANT_Q: tl.constexpr):
     """Program (token tile, head, part): part 0 the queries, 1 the keys, 2 the values. Three
-    short programs instead of one that does all three: 13.0 against 17.1 us at the rank slice
-    (scripts/bench_kernels.py), the parts' loads and stores no longer in one chain."""
+    short programs instead of one that does all three, the parts' loads and stores no longer
+    in one chain, are the faster (docs/PERFORMANCE.md, "Kernels alone")."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2)
@@ -53,7 +53,7 @@ def pre_attention_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, 
             qo = qo_ptr + h * stride_qoh + offs_t[:, None] * stride_qot + offs_c[None, :]
             if QUANT_Q:  # per (head, token) scale, from the compute-dtype queries as the reference
                 q = q.to(out).to(tl.float32)
-                qs = tl.maximum(tl.max(tl.abs(q), 1), 1e-12) / 448.0
+                qs = tl.maximum(tl.max(tl.abs(q), 1), AMAX_FLOOR) / FP8_MAX
                 tl.store(qs_ptr + h * T + offs_t, qs, mask=offs_t < T)
                 tl.store(qo, to_e4m3(q, qs[:, None], tl.math.div_rn(1.0, qs)[:, None]),
                          mask=mask)
@@ -67,7 +67,7 @@ def pre_attention_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, 
                            eps, T, D, BLOCK_T, BLOCK_D).to(out).to(tl.float32)
             if QUANT:
                 ks = tl.load(ks_ptr + h)
-                k = tl.clamp(div_scale(k, ks, tl.math.div_rn(1.0, ks)), -448.0, 448.0)
+                k = tl.clamp(div_scale(k, ks, tl.math.div_rn(1.0, ks)), -FP8_MAX, FP8_MAX)
             tl.store(ko_ptr + dst, k.to(store_ty), mask=mask)
     else:
         slot = tl.load(idx_ptr + offs_t, mask=offs_t < T, other=0)
@@ -75,8 +75,8 @@ def pre_attention_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, 
                     mask=mask, other=0.0).to(tl.float32)
         if QUANT:
             vs = tl.load(vs_ptr + h)
-            v = tl.clamp(div_scale(v, vs, tl.math.div_rn(1.0, vs)), -448.0, 448.0)
+            v = tl.clamp(div_scale(v, vs, tl.math.div_rn(1.0, vs)), -FP8_MAX, FP8_MAX)
         # A [D, S] store is written through its strides: transposing the tile in registers
-        # first (tl.trans) measured slower, 44 against 23 us per call at the rank slice.
+        # first (tl.trans) measured slower (docs/PERFORMANCE.md, "Kernels alone").
         v_dst = h * stride_voh + slot[:, None] * stride_vos + offs_c[None, :] * stride_vod
         tl.store(vo_ptr + v_dst, v.to(store_ty), mask=mask)
