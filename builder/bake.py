@@ -19,57 +19,27 @@ import torch
 from safetensors.torch import load_file
 
 from charengine import fp8
-from charengine.config import RankShape, config_from_dict
+from charengine.assemble import rank_session
+from charengine.config import config_from_dict
 from charengine.engine_format import ADALN, MANIFEST, TRITON_KERNELS, rank_file
-from charengine.graphs import GraphedStep
+from charengine.family import family_of
 from charengine.kernel_cache import KernelCache
-from charengine.plugins import fp8_gemm, gemm_residual, quack_gemm
-from charengine.rank import make_session
-from charengine.warmup import warm_up
+from charengine.plugins import gemm, quack_gemm
+from charengine.target import Target
 
 
-def gemm_candidates(cfg, kind: str, split: int, h: torch.Tensor):
-    """The choices timed for block linear `kind`, and a function giving each one's op (with
-    fp8.scaled_mm's signature) as the model will run it: with gemm_swiglu the input
-    projection's SwiGLU epilogue after `split` plain columns (QuACK only); with gemm_residual
-    the output projection adding `h` in its epilogue (cuBLASLt or QuACK); else the plain GEMM
-    (cuBLASLt, Triton, QuACK). QuACK where it is installed."""
-    quack = tuple(f"quack:{t}" for t in quack_gemm.CANDIDATES) if quack_gemm.available() \
-        else ()
-    sw = cfg.switches
-    if kind == "w_in" and sw.gemm_swiglu:
-        if not quack:
-            raise ValueError("gemm_swiglu needs quack-kernels on the build GPU")
-
-        def swiglu(c):
-            f = quack_gemm.select_swiglu("cuda", c)
-            return lambda a_q, a_s, w_q, w_s, dt, fast: f(a_q, a_s, w_q, w_s, dt, fast, split)
-        return quack, swiglu
-    if kind == "w_out" and sw.gemm_residual and sw.baked_adaln:
-        def residual(c):
-            f = gemm_residual.select("cuda", c)
-            return lambda a_q, a_s, w_q, w_s, dt, fast: f(a_q, a_s, w_q, w_s, h, dt, fast)
-        return ("scaled_mm",) + quack, residual
-    return fp8_gemm.CHOICES + quack, fp8_gemm.op
-
-
-def gemm_plan(cfg, state: dict, rank: int) -> tuple[dict, dict]:
+def gemm_plan(cfg, state: dict, mapping) -> tuple[dict, dict]:
     """Per block linear, the fastest GEMM at the steady shape over the rank's own weights, as
-    the engine's switches run it (`gemm_candidates`): (choices, microseconds of each)."""
-    spec = cfg.model
-    if not cfg.numerics.fp8_gemm:
-        return {}, {}
-    T, dtype = spec.tokens_per_frame, getattr(torch, cfg.numerics.dtype)
-    split = 3 * RankShape.of(spec, cfg.tp, rank).attn_width(spec)
-    h = torch.randn(T, spec.dim, device="cuda").to(dtype)
+    the engine's switches run it: each backend with the linear's epilogue (plugins/gemm.py)
+    timed on the family's GEMM problems. Returns (choices, microseconds of each)."""
+    dtype = getattr(torch, cfg.numerics.dtype)
     plan, times = {}, {}
-    for kind in ("w_in", "w_out"):
-        weights = [(state[f"blocks.{i}.{kind}.q"], state[f"blocks.{i}.{kind}.scale"])
-                   for i in range(spec.n_blocks)]
-        choices, gemm_for = gemm_candidates(cfg, kind, split, h)
-        times[kind] = fp8_gemm.time_choices(weights, T, dtype, cfg.numerics.fast_accum_for(kind),
-                                            choices=choices, gemm_for=gemm_for)
-        plan[kind] = fp8_gemm.choose(times[kind])
+    for kind, prob in family_of(cfg).gemm_problems(cfg, state, mapping).items():
+        times[kind] = gemm.time_choices(prob.weights, prob.m, dtype,
+                                        cfg.numerics.fast_accum_for(kind),
+                                        gemm.candidates(prob.epilogue), prob.epilogue,
+                                        prob.residual, prob.split)
+        plan[kind] = gemm.choose(times[kind])
     return plan, times
 
 
@@ -94,16 +64,18 @@ def compile_exchange(cfg, state: dict) -> None:
 
 
 def bake(engine: Path, rank: int) -> dict:
-    cfg = config_from_dict(json.loads((engine / MANIFEST).read_text())["config"])
+    manifest = json.loads((engine / MANIFEST).read_text())
+    cfg = config_from_dict(manifest["config"])
+    # the rank on the build GPU, alone: its all-reduce is compiled by compile_exchange
+    mapping = Target.from_dict(manifest["target"]).mapping(rank).slice_alone("cuda")
     t0 = time.perf_counter()
     with KernelCache(engine / TRITON_KERNELS, quack=quack_gemm.available()) as cache:
         state = load_file(str(engine / rank_file(rank)), device="cuda")
         tables = load_file(str(engine / ADALN), device="cuda")
-        plan, times = gemm_plan(cfg, state, rank)
-        session = make_session(cfg, state, rank, device="cuda", step_fn=GraphedStep(),
-                               adaln_tables=(tables["adaln_table"], tables["final_table"]),
-                               gemm_plan=plan)
-        steps = warm_up(session)
+        plan, times = gemm_plan(cfg, state, mapping)
+        session = rank_session(cfg, state, mapping, tables=tables, gemm_plan=plan,
+                               graphed=True)
+        steps = family_of(cfg).warm_up(session)
         compile_exchange(cfg, state)
     return {"rank": rank, "steps": steps, "seconds": round(time.perf_counter() - t0, 2),
             "gemm_plan": plan, "gemm_us": times,

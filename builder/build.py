@@ -11,15 +11,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from charengine.config import RankShape, config_to_dict
+from charengine.config import config_to_dict
 from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, QUACK_KERNELS, SIDE,
                                       TRITON_KERNELS, checksums, engine_files, gpu_arch,
                                       rank_file, sha256, this_machine)
-from charengine.model import bake_adaln
-from charengine.sidenets import PREFIXES, check_side, random_side_state
+from charengine.family import family_of
 from charengine.target import Target
-from charengine.weights import RandomWeights, load_checkpoint, param_shapes, rank_weights
 
+from .build_config import BuildConfig
 from .output import Staging
 from .so_check import StaticLibstdcxx, check_shared_objects
 
@@ -73,7 +72,7 @@ def uses_quack(cfg, warm) -> dict | None:
 
 
 def manifest_of(target: Target, cfg, ranks, source, side_source, kernels, files) -> dict:
-    spec = cfg.model
+    spec, fam = cfg.model, family_of(cfg)
     return {
         "format_version": FORMAT_VERSION,
         "target": target.to_dict(),
@@ -84,28 +83,26 @@ def manifest_of(target: Target, cfg, ranks, source, side_source, kernels, files)
         "built_with": this_machine(),
         "weights": source,
         "side_networks": side_source,
-        "parameters": {"block_linears": spec.block_linear_params(),
-                       "total_dit": sum(torch.Size(s).numel() for s in param_shapes(spec).values())},
+        "parameters": {"block_linears": fam.block_linear_params(spec),
+                       "total_dit": sum(torch.Size(s).numel()
+                                        for s in fam.param_shapes(spec).values())},
         "kernels": kernels,
         "files": files,
     }
 
 
-def build(target: Target, out: Path, weights: Path | None = None, seed: int | None = None,
-          preset_name: str | None = None, log=print, ranks: list[int] | None = None,
-          kernels: bool = True, random_side_networks: bool = False) -> dict:
-    """Write the engine for `target` to `out` and return its manifest. Exactly one of
-    `weights` (a safetensors checkpoint) and `seed` (random weights) is given. `ranks` builds
-    a part of the layout (a rank slice to benchmark on fewer GPUs; charrun refuses to serve
-    it); `kernels=False` leaves a GPU target's kernels to be compiled when charrun starts. A
-    checkpoint without side networks builds only with `random_side_networks` (random ones,
-    seeded by `seed` or 0, and the manifest says so). `out` is replaced only where it is
-    absent, empty or an engine directory (builder/output.py), and only once the new engine
-    is complete."""
-    if (weights is None) == (seed is None):
-        raise ValueError("give either a checkpoint or a seed for random weights")
+def build(config: BuildConfig, log=print) -> dict:
+    """Write the engine `config` describes (builder/build_config.py) and return its manifest;
+    `log` gets a line per rank file and kernel warm-up. A checkpoint without side networks
+    builds only with `random_side_networks` (random ones, seeded by `seed` or 0, and the
+    manifest says so). The engine directory is replaced only once the new engine is
+    complete."""
+    target, out = config.load_target(), config.out
+    weights, seed, preset_name = config.weights, config.seed, config.preset_name
+    ranks, kernels = config.ranks, config.kernels
+    random_side_networks = config.random_side_networks
     cfg = target.config(preset_name)
-    spec = cfg.model
+    spec, fam = cfg.model, family_of(cfg)
     ranks = sorted(set(range(cfg.tp) if ranks is None else ranks))
     if not ranks or ranks[0] < 0 or ranks[-1] >= cfg.tp:
         raise BuildError(f"ranks {ranks}: target {target.name} has ranks 0..{cfg.tp - 1}")
@@ -114,30 +111,28 @@ def build(target: Target, out: Path, weights: Path | None = None, seed: int | No
     device = build_device(target, compile_kernels)
     side_seed = seed if seed is not None else 0
     if weights is not None:
-        state, side = load_checkpoint(weights, spec, PREFIXES)
+        state, side = fam.load_checkpoint(weights, spec)
         if side:
-            check_side(spec, side, str(weights))
+            fam.check_side(spec, side, str(weights))
         elif not random_side_networks:
             raise BuildError(f"{weights}: holds no side networks (tensors under "
-                             f"{', '.join(PREFIXES)}); pass --random-side-networks to build "
+                             f"{', '.join(fam.side_prefixes)}); pass --random-side-networks to build "
                              "with random ones (the frames are then not the model's)")
         state = {k: v.to(device) for k, v in state.items()}
         source = {"checkpoint": str(weights), "sha256": sha256(weights)}
     else:
-        state, side = RandomWeights(spec, seed, device), {}
+        state, side = fam.random_weights(spec, seed, device), {}
         source = {"random_seed": seed}
     side_source = "checkpoint" if side else f"random (seed {side_seed})"
     if not side:
-        side = random_side_state(spec, side_seed)
+        side = fam.random_side_state(spec, side_seed)
 
     with staging as tmp:
-        table, final = bake_adaln(cfg, state)
-        save_file({"adaln_table": table.contiguous().cpu(), "final_table": final.contiguous().cpu()},
-                  str(tmp / ADALN))
+        tables = fam.bake_tables(cfg, state)
+        save_file({k: t.contiguous().cpu() for k, t in tables.items()}, str(tmp / ADALN))
         save_file({k: v.contiguous() for k, v in side.items()}, str(tmp / SIDE))
         for r in ranks:
-            rstate = rank_weights(spec, state, RankShape.of(spec, cfg.tp, r),
-                                  keep_adaln=not cfg.switches.baked_adaln)
+            rstate = fam.rank_weights(cfg, state, target.mapping(r))
             save_file({k: v.cpu() for k, v in rstate.items()}, str(tmp / rank_file(r)))
             del rstate
             log(f"rank {r}: {rank_file(r)}")
@@ -149,17 +144,14 @@ def build(target: Target, out: Path, weights: Path | None = None, seed: int | No
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the warm-up process loads the rank again
 
-            def shape_of(r):
-                shape = RankShape.of(spec, cfg.tp, r)
-                return shape.heads, shape.mlp
-
             shapes = {}
             for r in ranks:  # ranks of one shape share their kernels and GEMM choices
-                shapes.setdefault(shape_of(r), r)
+                shapes.setdefault(fam.rank_shape(cfg, r), r)
             warm = {r: bake_kernels(tmp, r, log) for r in shapes.values()}
             kernels = {"compiled": True, "dir": TRITON_KERNELS,
                        "warm_up": {str(r): w for r, w in warm.items()},
-                       "gemm_plan": {str(r): warm[shapes[shape_of(r)]]["gemm_plan"] for r in ranks},
+                       "gemm_plan": {str(r): warm[shapes[fam.rank_shape(cfg, r)]]["gemm_plan"]
+                                     for r in ranks},
                        "quack": uses_quack(cfg, warm.values())}
             try:
                 kernels["shared_objects_checked"] = check_shared_objects(tmp / TRITON_KERNELS)

@@ -8,29 +8,47 @@ from pathlib import Path
 
 import click
 
-from charengine.config import PRESETS
-from charengine.target import Target
-from charengine.weights import CheckpointError
+from charengine.characters.spec import PRESETS
+from charengine.characters.weights import CheckpointError
 
-REPO = Path(__file__).resolve().parents[1]
-TARGETS_DIR = REPO / "engines" / "targets"
+from .build_config import REPO, BuildConfig, find_target
+
 # Trained checkpoints shipped in the repository: a preset's weights when none are given.
 EMBEDDED_CHECKPOINTS = {"tiny": REPO / "checkpoints" / "tiny.safetensors"}
 # Presets an engine may be built for with random weights without asking (test sizes).
 EMBEDDED_RANDOM_OK = ("tiny-10h",)
 
 
-def find_target(name: str) -> Target:
-    path = Path(name)
-    if not path.suffix:
-        path = TARGETS_DIR / f"{name}.toml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in TARGETS_DIR.glob("*.toml")))
-        raise click.ClickException(f"unknown target {name!r}; known targets: {known}")
+def config_of(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels,
+              random_side_networks) -> BuildConfig:
+    """The BuildConfig charbuild's flags give: without --weights or --random-weights, the
+    preset's embedded checkpoint (or random weights for a test-size preset)."""
+    if ranks is not None:
+        try:
+            ranks = [int(r) for r in ranks.split(",")]
+        except ValueError:
+            raise click.UsageError(f"--ranks {ranks!r}: give rank numbers like 0 or 0,2") from None
+    if weights and random_weights:
+        raise click.UsageError("give one of --weights CKPT and --random-weights, not both")
     try:
-        return Target.from_toml(path)
-    except (ValueError, TypeError) as e:
-        raise click.ClickException(f"{path}: {e}") from None
+        target = find_target(target_name)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    preset = preset_name or target.preset
+    if not weights and not random_weights:
+        embedded = EMBEDDED_CHECKPOINTS.get(preset)
+        if embedded is not None and embedded.is_file():
+            weights = embedded
+            click.echo(f"charbuild: no --weights: the trained {preset} checkpoint, {embedded}",
+                       err=True)
+        elif preset in EMBEDDED_RANDOM_OK:
+            click.echo(f"charbuild: no --weights: random weights (seed {seed})", err=True)
+        else:
+            raise click.UsageError(f"{target.name} needs --weights CKPT (or --random-weights "
+                                   "for benchmarks)")
+    return BuildConfig(target, out, weights=weights, seed=None if weights else seed,
+                       preset_name=preset_name, ranks=ranks, kernels=not no_kernels,
+                       random_side_networks=random_side_networks)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -40,7 +58,7 @@ def find_target(name: str) -> Target:
               help="Engine directory to write: a new or empty directory, or an engine "
                    "directory, which is replaced once the new engine is complete.")
 @click.option("--weights", type=click.Path(path_type=Path),
-              help="Full-precision safetensors checkpoint of the model (see charengine.weights).")
+              help="Full-precision safetensors checkpoint of the model (see charengine.characters.weights).")
 @click.option("--random-weights", is_flag=True, help="Random weights of the exact shapes.")
 @click.option("--random-side-networks", is_flag=True,
               help="Build from a checkpoint that holds no side networks, with random ones "
@@ -69,30 +87,10 @@ def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no
 
     signal.signal(signal.SIGTERM, on_sigterm)
 
-    if ranks is not None:
-        try:
-            ranks = [int(r) for r in ranks.split(",")]
-        except ValueError:
-            raise click.UsageError(f"--ranks {ranks!r}: give rank numbers like 0 or 0,2") from None
-    if weights and random_weights:
-        raise click.UsageError("give one of --weights CKPT and --random-weights, not both")
-    target = find_target(target_name)
-    preset = preset_name or target.preset
-    if not weights and not random_weights:
-        embedded = EMBEDDED_CHECKPOINTS.get(preset)
-        if embedded is not None and embedded.is_file():
-            weights = embedded
-            click.echo(f"charbuild: no --weights: the trained {preset} checkpoint, {embedded}",
-                       err=True)
-        elif preset in EMBEDDED_RANDOM_OK:
-            click.echo(f"charbuild: no --weights: random weights (seed {seed})", err=True)
-        else:
-            raise click.UsageError(f"{target.name} needs --weights CKPT (or --random-weights "
-                                   "for benchmarks)")
+    config = config_of(target_name, out, weights, random_weights, seed, preset_name, ranks,
+                       no_kernels, random_side_networks)
     try:
-        m = build(target, out, weights=weights, seed=None if weights else seed,
-                  preset_name=preset_name, log=lambda s: click.echo(s, err=True), ranks=ranks,
-                  kernels=not no_kernels, random_side_networks=random_side_networks)
+        m = build(config, log=lambda s: click.echo(s, err=True))
     except (CheckpointError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
@@ -104,7 +102,7 @@ def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no
         click.echo(f"charbuild: the side networks (audio encoder, decoder, image and text "
                    f"encoders) are {m['side_networks']}: the frames are not a trained "
                    "model's", err=True)
-    click.echo(f"built {target.name} ({m['config']['model']['name']}, TP-{m['tp']}) -> {out}")
+    click.echo(f"built {config.load_target().name} ({m['config']['model']['name']}, TP-{m['tp']}) -> {out}")
 
 
 if __name__ == "__main__":

@@ -1,174 +1,19 @@
-"""Configuration: the model spec and its presets, schedule, cache geometry, switches, numerics.
+"""Configuration: schedule, cache geometry, switches, numerics, and the engine config that
+holds them with a model family's spec.
 
-One frozen `EngineConfig` describes what a step computes and which optimizations are on.
-Presets are data (`PRESETS`), never copied modules. Invalid combinations fail at
-construction with a message that says what to change.
+One frozen `EngineConfig` describes what a step computes and which optimizations are on. A
+family's spec and presets are its own (charengine/family.py: `characters.spec.PRESETS`);
+`preset(name)` finds a preset in any family. Invalid combinations fail at construction with
+a message that says what to change.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
-
-@dataclass(frozen=True)
-class SideSpec:
-    """The networks around the DiT: audio encoder (every step, on the decoder's GPU), latent
-    decoder (every step, its own GPU), image and text encoders (once per session).
-
-    The characters-57b sizes are ours, set against the paper's timings: its decoder takes
-    114 ms per latent on an H100 in bf16; ours, (768, 768, 384, 192, 192) channels with three
-    convs per stage (33 TFLOP), takes 104 ms on the H200 (scripts/bench_sidenets.py,
-    docs/PERFORMANCE.md). Its audio encoder takes 9 ms per step; ours takes about 2."""
-
-    sample_rate: int = 16000
-    n_fft: int = 400
-    hop: int = 160
-    n_mels: int = 80
-    audio_context: int = 32  # mel frames the encoder sees per step, ending at the step's end
-    audio_width: int = 512
-    audio_layers: int = 4
-    audio_heads: int = 8
-    decoder_channels: tuple[int, ...] = (768, 768, 384, 192, 192)
-    decoder_convs: int = 3  # causal 3x3x3 convs per upsampling stage
-    text_width: int = 512
-    text_layers: int = 2
-    text_heads: int = 8
-
-
-TINY_SIDE = SideSpec(n_mels=40, audio_context=24, audio_width=32, audio_layers=1, audio_heads=2,
-                     decoder_channels=(32, 32, 16, 16), decoder_convs=1, text_width=32, text_layers=1,
-                     text_heads=2)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Shapes of the characters DiT. Everything else (token counts, widths) is derived.
-
-    The `characters-57b` numbers that the paper does not state are inferred (DESIGN.md §2):
-    - width 7680 = 60 heads x 128: 16 d^2 = 944M parameters per block, 56.6B in 60 blocks
-      (the paper's "about 57B"), and 60 heads split whole over 2..6 ranks;
-    - a parallel block (attention and MLP side by side): one input projection
-      d -> 3d (QKV) + 2 x 4d (SwiGLU gate, up) and one output projection (d + 4d) -> d,
-      which is one all-reduce per block, as the paper says;
-    - 757 tokens per latent = a 22 x 34 grid (704 x 1088 over a 16x VAE and 2x2 patches of
-      48 latent channels) + 9 audio tokens;
-    - 1,246 global slots = 748 reference-image tokens + 498 (padded) prompt tokens;
-    - RoPE on head dim 128 split temporal 44 / height 42 / width 42, theta 10000.
-    """
-
-    name: str
-    dim: int
-    n_heads: int
-    n_blocks: int
-    mlp_ratio: int = 4
-    mlp_align: int = 128  # TP splits the MLP hidden size in blocks of this many channels
-    latent_channels: int = 48
-    patch: int = 2
-    vae_stride: int = 16  # output pixels per latent pixel, each spatial axis
-    frames_per_latent: int = 4
-    fps: int = 24
-    grid_h: int = 22
-    grid_w: int = 34
-    audio_tokens: int = 9
-    audio_dim: int = 1024  # width of the audio encoder's output features
-    prompt_tokens: int = 498
-    text_dim: int = 2048  # width of the text encoder's output features
-    rope_split: tuple[int, int, int] = (44, 42, 42)  # temporal, height, width dims of a head
-    rope_theta: float = 10000.0
-    time_freq_dim: int = 256
-    norm_eps: float = 1e-6
-    side: SideSpec = field(default_factory=SideSpec)
-
-    def __post_init__(self):
-        if len(self.side.decoder_channels) < max(self.frames_per_latent, self.vae_stride).bit_length():
-            raise ValueError(f"{self.name}: side.decoder_channels needs one stage per 2x upsample")
-        if self.dim % self.n_heads:
-            raise ValueError(f"{self.name}: dim {self.dim} is not a multiple of n_heads {self.n_heads}")
-        if sum(self.rope_split) != self.head_dim or any(s % 2 for s in self.rope_split):
-            raise ValueError(
-                f"{self.name}: rope_split {self.rope_split} must be three even sizes summing to "
-                f"head_dim {self.head_dim}")
-        if self.mlp_hidden % self.mlp_align:
-            raise ValueError(f"{self.name}: MLP hidden {self.mlp_hidden} is not a multiple of "
-                             f"mlp_align {self.mlp_align}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return self.mlp_ratio * self.dim
-
-    @property
-    def video_tokens(self) -> int:
-        return self.grid_h * self.grid_w
-
-    @property
-    def tokens_per_frame(self) -> int:
-        """New tokens per AR step: one latent's video tokens plus its audio tokens."""
-        return self.video_tokens + self.audio_tokens
-
-    @property
-    def global_tokens(self) -> int:
-        """Reference-image tokens plus padded prompt tokens, written once per session."""
-        return self.video_tokens + self.prompt_tokens
-
-    @property
-    def patch_dim(self) -> int:
-        return self.latent_channels * self.patch * self.patch
-
-    @property
-    def latent_h(self) -> int:
-        return self.grid_h * self.patch
-
-    @property
-    def latent_w(self) -> int:
-        return self.grid_w * self.patch
-
-    @property
-    def out_h(self) -> int:
-        return self.latent_h * self.vae_stride
-
-    @property
-    def out_w(self) -> int:
-        return self.latent_w * self.vae_stride
-
-    @property
-    def steps_per_second(self) -> float:
-        return self.fps / self.frames_per_latent
-
-    @property
-    def in_proj_dim(self) -> int:
-        """QKV (3d) then SwiGLU gate and up (2 x hidden)."""
-        return 3 * self.dim + 2 * self.mlp_hidden
-
-    @property
-    def out_proj_dim(self) -> int:
-        """Attention output (d) then the MLP's hidden (hidden)."""
-        return self.dim + self.mlp_hidden
-
-    def block_linear_params(self) -> int:
-        return self.n_blocks * (self.in_proj_dim * self.dim + self.dim * self.out_proj_dim)
-
-
-TINY = ModelSpec(
-    name="tiny", dim=64, n_heads=4, n_blocks=2, mlp_align=16, latent_channels=8, vae_stride=8,
-    grid_h=4, grid_w=4, audio_tokens=1, audio_dim=32, prompt_tokens=8, text_dim=32,
-    rope_split=(6, 4, 6), time_freq_dim=32, side=TINY_SIDE)
-
-PRESETS: dict[str, ModelSpec] = {
-    "characters-57b": ModelSpec(name="characters-57b", dim=7680, n_heads=60, n_blocks=60),
-    "tiny": TINY,
-    # Ten heads: splits unevenly over 3, 4 and 7 ranks; the uneven-TP tests use it.
-    "tiny-10h": dataclasses.replace(TINY, name="tiny-10h", dim=80, n_heads=10,
-                                    rope_split=(2, 2, 4)),
-    # Head dim 64: the smallest tiny model every GPU kernel serves (FP8 attention needs a
-    # power-of-two head dim of at least 32); the GPU tests of kernels and engines use it.
-    "tiny-d64": dataclasses.replace(TINY, name="tiny-d64", dim=128, n_heads=2,
-                                    rope_split=(22, 20, 22)),
-}
+from . import fp8
 
 
 @dataclass(frozen=True)
@@ -184,7 +29,7 @@ class CacheSpec:
     reset_period: int = 42
     calibration_steps: int = 6  # FP8 KV scales are set on entering step calibration_steps + 1
     scale_margin: float = 1.5
-    fp8_max: float = 448.0
+    fp8_max: float = fp8.FP8_MAX  # e4m3's largest value, from the one place the kernels use
 
     @property
     def first_temporal_index(self) -> int:
@@ -284,8 +129,8 @@ class Numerics:
     fp8_gemm: bool = True
     fp8_attention: bool = True
     # FP8 GEMMs without promoting partial sums to fp32 (GPU only), as vLLM's sm90 FP8 GEMMs
-    # run: 2.7e-3 relative error at K = 12,800 against 1.3e-4 promoted, both far below the
-    # 3.7e-2 of FP8 quantization itself; 6.2 ms off the TP-3 step (docs/PERFORMANCE.md)
+    # run: more error per GEMM than promoted sums, far less than FP8 quantization's own, and a
+    # faster step (docs/PERFORMANCE.md, "Fast accumulation")
     fast_accum: bool = True
     LINEARS = ("w_in", "w_out")  # the block linears (not a field)
     # the block linears fast_accum applies to: "w_in" (input projection, sums over dim) and
@@ -309,12 +154,15 @@ class Numerics:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: ModelSpec
+    model: Any  # a model family's spec (charengine/family.py), e.g. characters.spec.ModelSpec
     cache: CacheSpec = field(default_factory=CacheSpec)
     schedule: Schedule = field(default_factory=Schedule)
     switches: Switches = field(default_factory=Switches)
     numerics: Numerics = field(default_factory=Numerics)
     tp: int = 1
+
+    NESTED = {"cache": CacheSpec, "schedule": Schedule, "switches": Switches,
+              "numerics": Numerics}  # fields read back as dataclasses (not a field)
 
     def __post_init__(self):
         s, c = self.switches, self.cache
@@ -342,61 +190,22 @@ class EngineConfig:
                 "key would be delta-rotated twice. Use a window <= the reset period.")
         if c.calibration_steps < 1:
             raise ValueError("cache.calibration_steps must be at least 1")
-        if self.tp < 1 or self.tp > self.model.n_heads:
-            raise ValueError(
-                f"tp={self.tp} does not fit {self.model.name}'s {self.model.n_heads} heads: heads "
-                f"are split whole, so use 1 <= tp <= {self.model.n_heads}.")
-        mlp_blocks = self.model.mlp_hidden // self.model.mlp_align
-        if self.tp > mlp_blocks:
-            raise ValueError(f"tp={self.tp} exceeds the {mlp_blocks} MLP blocks of "
-                             f"{self.model.mlp_align} channels")
+        self.model.check_tp(self.tp)
+
+    @property
+    def family(self) -> str:
+        """The model family's name (charengine/family.py)."""
+        return self.model.FAMILY
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
 
 
 def preset(name: str, **kw) -> EngineConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
-    return EngineConfig(model=PRESETS[name], **kw)
+    """The engine config of preset `name`, of whichever family holds it."""
+    from .family import preset_spec
 
-
-def split_evenly(total: int, parts: int, rank: int) -> tuple[int, int]:
-    """(offset, size) of `rank`'s share when `total` whole units go to `parts` ranks, the first
-    total % parts ranks taking one more."""
-    base, extra = divmod(total, parts)
-    size = base + (rank < extra)
-    offset = rank * base + min(rank, extra)
-    return offset, size
-
-
-@dataclass(frozen=True)
-class RankShape:
-    """One tensor-parallel rank's slice: whole heads, and MLP channels in aligned blocks."""
-
-    tp: int
-    rank: int
-    head_offset: int
-    heads: int
-    mlp_offset: int
-    mlp: int
-
-    @classmethod
-    def of(cls, spec: ModelSpec, tp: int, rank: int) -> "RankShape":
-        if not 0 <= rank < tp:
-            raise ValueError(f"rank {rank} outside TP group of {tp}")
-        h0, h = split_evenly(spec.n_heads, tp, rank)
-        b0, b = split_evenly(spec.mlp_hidden // spec.mlp_align, tp, rank)
-        return cls(tp, rank, h0, h, b0 * spec.mlp_align, b * spec.mlp_align)
-
-    def attn_width(self, spec: ModelSpec) -> int:
-        return self.heads * spec.head_dim
-
-    def in_proj_rows(self, spec: ModelSpec) -> int:
-        return 3 * self.attn_width(spec) + 2 * self.mlp
-
-    def out_proj_cols(self, spec: ModelSpec) -> int:
-        return self.attn_width(spec) + self.mlp
+    return EngineConfig(model=preset_spec(name), **kw)
 
 
 _SCALARS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
@@ -424,7 +233,9 @@ def check_field_type(where: str, annotation: str, v) -> None:
     raise TypeError(f"{where}: expected {annotation}, got {type(v).__name__} {v!r}"[:200])
 
 
-def from_dict_checked(cls, d: dict, where: str = "config"):
+def from_dict_checked(cls, d: dict, where: str = "config", nested: dict | None = None):
+    """`cls` from a dict read back from JSON, each field checked against its annotation;
+    fields holding dataclasses (`cls.NESTED`, or `nested`) read the same way."""
     if not isinstance(d, dict):
         raise TypeError(f"{where}: expected an object, got {type(d).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
@@ -436,8 +247,9 @@ def from_dict_checked(cls, d: dict, where: str = "config"):
         if f.name not in d:
             continue
         v = d[f.name]
-        if f.name in _NESTED.get(cls.__name__, {}):
-            v = from_dict_checked(_NESTED[cls.__name__][f.name], v, f"{where}.{f.name}")
+        types = nested if nested is not None else getattr(cls, "NESTED", {})
+        if f.name in types:
+            v = from_dict_checked(types[f.name], v, f"{where}.{f.name}")
         else:
             check_field_type(f"{where}.{f.name}", str(f.type), v)
             if isinstance(v, list):
@@ -446,17 +258,19 @@ def from_dict_checked(cls, d: dict, where: str = "config"):
     return cls(**kw)
 
 
-_NESTED = {
-    "EngineConfig": {"model": ModelSpec, "cache": CacheSpec, "schedule": Schedule,
-                     "switches": Switches, "numerics": Numerics},
-    "ModelSpec": {"side": SideSpec},
-}
-
-
 def config_to_dict(cfg: EngineConfig) -> dict:
-    return dataclasses.asdict(cfg)
+    return {**dataclasses.asdict(cfg), "family": cfg.family}
 
 
 def config_from_dict(d: dict) -> EngineConfig:
-    """Inverse of config_to_dict; validates like any construction."""
-    return from_dict_checked(EngineConfig, d)
+    """Inverse of config_to_dict; validates like any construction. The model's spec type is
+    its family's ("characters" where the dict names none)."""
+    from .family import family
+
+    if not isinstance(d, dict):
+        raise TypeError(f"config: expected an object, got {type(d).__name__}")
+    d = dict(d)
+    name = d.pop("family", "characters")
+    check_field_type("config.family", "str", name)
+    return from_dict_checked(EngineConfig, d, nested={**EngineConfig.NESTED,
+                                                      "model": family(name).spec_type})

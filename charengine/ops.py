@@ -1,8 +1,30 @@
-"""Small elementwise ops shared by the model and the plugins' references."""
+"""The plain math of a block's pieces, written once: the model's plain paths, the plugins'
+references (which the fast kernels are tested against) and the training forward all compute
+through these."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """AdaLN: LN(h) * (1 + scale) + shift over the last dimension (a norm without weights)."""
+    return F.layer_norm(h, (h.shape[-1],), eps=eps) * (1 + scale) + shift
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def gated_residual(h: torch.Tensor, gate: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """h + gate * o, rounded after the product and after the sum."""
+    return h + gate * o
+
+
+def gated_residual_once(h: torch.Tensor, gate: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """h + gate * o rounded once (torch.addcmul): what the fused kernels compute."""
+    return torch.addcmul(h, gate, o)
 
 
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

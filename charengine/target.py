@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import EngineConfig, Numerics, Switches, check_field_type, from_dict_checked, preset
+from .mapping import Mapping
 
 DECODER_PLACEMENTS = ("own-gpu", "shared")
 
@@ -47,6 +48,13 @@ class Target:
             return {"decoder": "cpu", "tp": ["cpu"] * self.tp}
         first = 1 if self.decoder == "own-gpu" else 0
         return {"decoder": "cuda:0", "tp": [f"cuda:{first + r}" for r in range(self.tp)]}
+
+    def mapping(self, rank: int = 0) -> Mapping:
+        """TP rank `rank`'s place in this layout: its device, the decoder's, and whether a
+        host process runs beside the TP ranks (every TP layout; TP-1 runs in one process)."""
+        devices = self.rank_devices()
+        return Mapping(self.tp, rank, devices["tp"][rank], devices["decoder"],
+                       host_process=self.tp > 1)
 
     def config(self, preset_name: str | None = None) -> EngineConfig:
         return preset(preset_name or self.preset, switches=self.switches,

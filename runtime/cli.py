@@ -7,7 +7,6 @@ import signal
 import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,12 +15,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from charengine import audio as audio_mod
+from charengine.characters import audio as audio_mod
 
 from .distributed import RankFailure
 from .engine import Engine, EngineError
 from .formats import (DEFAULT_BACKGROUND, FIT_POLICIES, MAX_IMAGE_PIXELS, VIDEO_SUFFIXES,
                       ImageFit)
+from .run_config import RunConfig
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -50,10 +50,11 @@ def summary_table(times, steps_done: int, wall_s: float, fps: int, frames_per_la
     return t
 
 
-def ready_check(engine_dir: Path) -> None:
+def ready_check(cfg: RunConfig) -> None:
+    """--check: load the engine, get ready, report what it took and exit."""
     t0 = time.perf_counter()
     try:
-        engine = Engine.load(engine_dir, verify_in_background=True)
+        engine = Engine.load(cfg.engine_dir, verify_in_background=True)
         t1 = time.perf_counter()
         from .distributed import open_worker
 
@@ -167,37 +168,49 @@ def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serv
          ice_servers, slack, livekit, agent_name, check):
     """Render a talking character (the image animated to the speech, H.264 + AAC MP4), or
     with --serve stream one over WebRTC to a local page."""
-    if check:
-        return ready_check(engine_dir)
+    return run(RunConfig(engine_dir, image=image, fit=fit, background=background,
+                         audio=audio_path, out=out, prompt=prompt, seed=seed, serve=serve,
+                         host=host, port=port, ice_servers=ice_servers, slack=slack,
+                         livekit=livekit, agent_name=agent_name, check=check))
+
+
+def run(cfg: RunConfig):
+    """Run the mode `cfg` selects (RunConfig.mode); bad input ends in one line."""
+    if cfg.mode == "check":
+        return ready_check(cfg)
     from .media import MediaError, check_video_out
 
-    try:
-        image_fit = ImageFit(fit, background)
-    except MediaError as e:
-        raise click.BadParameter(str(e), param_hint="--background") from None
-    if serve or livekit:
-        if serve:
-            check_port(host, port)
-        return serve_live(engine_dir, serve, livekit, host, port, list(ice_servers), slack,
-                          agent_name, image_fit)
-    if not (image and audio_path and out):
+    image_fit = image_fit_of(cfg)
+    if cfg.mode in ("serve", "livekit"):
+        if cfg.serve:
+            check_port(cfg.host, cfg.port)
+        return serve_live(cfg, image_fit)
+    if not (cfg.image and cfg.audio and cfg.out):
         raise click.UsageError("give --image, --audio and --out, or --serve, or --livekit")
     try:
-        check_video_out(out)
+        check_video_out(cfg.out)
     except MediaError as e:
         raise click.ClickException(str(e)) from None
-    render_file(engine_dir, image, image_fit, audio_path, out, prompt, seed)
+    render_file(cfg, image_fit)
 
 
-def serve_live(engine_dir, serve, livekit, host, port, ice_servers, slack, agent_name,
-               image_fit) -> None:
+def image_fit_of(cfg: RunConfig) -> ImageFit:
+    from .media import MediaError
+
+    try:
+        return ImageFit(cfg.fit, cfg.background)
+    except MediaError as e:
+        raise click.BadParameter(str(e), param_hint="--background") from None
+
+
+def serve_live(cfg: RunConfig, image_fit: ImageFit):
     """--serve or --livekit: one engine, one session at a time, until SIGINT or SIGTERM,
     which end the session in progress and every rank process."""
     from .distributed import open_worker
 
     try:
-        engine = Engine.load(engine_dir, verify_in_background=True)
-        if livekit:
+        engine = Engine.load(cfg.engine_dir, verify_in_background=True)
+        if cfg.livekit:
             try:
                 from .livekit_avatar import LiveKitSetupError, run_worker
             except ImportError:
@@ -212,15 +225,16 @@ def serve_live(engine_dir, serve, livekit, host, port, ice_servers, slack, agent
     except KeyboardInterrupt:
         sys.exit(130)
     try:
-        if livekit:
+        if cfg.livekit:
             try:
-                return run_worker(worker, agent_name, image_fit=image_fit)
+                return run_worker(worker, cfg.agent_name, image_fit=image_fit)
             except LiveKitSetupError as e:
                 raise click.ClickException(str(e)) from None
         from .server import ServeError, serve as run_server
 
         try:
-            return run_server(worker, host, port, ice_servers, slack, image_fit)
+            return run_server(worker, cfg.host, cfg.port, list(cfg.ice_servers), cfg.slack,
+                              image_fit)
         except ServeError as e:
             raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
@@ -229,73 +243,98 @@ def serve_live(engine_dir, serve, livekit, host, port, ice_servers, slack, agent
         worker.close()
 
 
-def render_file(engine_dir, image, image_fit, audio_path, out, prompt, seed) -> None:
+class StepProgress:
+    """A render's progress bar on `console` (steps done, fps generated against real time)
+    and its per-step callback, which writes the first frames' line and turns a stop asked
+    for between steps into KeyboardInterrupt. `t0`: when the render began."""
+
+    def __init__(self, spec, steps: int, stop: Stop, console: Console):
+        self.spec, self.steps, self.stop = spec, steps, stop
+        self.t0 = time.perf_counter()
+        self.bar = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[fps]:.1f} fps (real time {task.fields[rt]})"),
+                            TimeElapsedColumn(), console=console)
+
+    def __enter__(self) -> "StepProgress":
+        self.bar.__enter__()
+        self.task = self.bar.add_task("steps", total=self.steps, fps=0.0, rt=self.spec.fps)
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def on_step(self, done: int) -> None:
+        if done == 1:
+            click.echo("charrun: first frames written", err=True)
+        fps = done * self.spec.frames_per_latent / (time.perf_counter() - self.t0)
+        self.bar.update(self.task, completed=done, fps=fps)
+        if self.stop.signum is not None:
+            raise KeyboardInterrupt
+
+
+def open_render(cfg: RunConfig, image_fit: ImageFit, stop: Stop):
+    """The engine's worker, its model spec, the speech and the fitted image of a render; one
+    line (and exit) for bad input or a stop before any step."""
     from .images import load_image
     from .media import MediaError, read_audio
-    from .render import Rendered, render
 
-    err = Console(stderr=True)
-    stop = Stop()
     warn = lambda line: click.echo(f"charrun: warning: {line}", err=True)  # noqa: E731
     try:
-        engine = Engine.load(engine_dir, verify_in_background=True)
+        engine = Engine.load(cfg.engine_dir, verify_in_background=True)
         spec = engine.config.model
-        speech = read_audio(audio_path, spec.side.sample_rate, warn=warn)
-        picture = load_image(image, spec.out_h, spec.out_w, image_fit)
+        speech = read_audio(cfg.audio, spec.side.sample_rate, warn=warn)
+        picture = load_image(cfg.image, spec.out_h, spec.out_w, image_fit)
         from .distributed import open_worker
 
         worker = open_worker(engine)
         note = side_networks_note(engine)
         if note:
             click.echo(note, err=True)
-        click.echo(f"charrun: {image}: {picture.describe()}", err=True)
+        click.echo(f"charrun: {cfg.image}: {picture.describe()}", err=True)
     except (EngineError, MediaError, RankFailure) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        click.echo(f"charrun: stopped by {stop.name} before any step; {out} was not written",
-                   err=True)
+        click.echo(f"charrun: stopped by {stop.name} before any step; {cfg.out} was not "
+                   "written", err=True)
         sys.exit(stop.exit_code)
+    return worker, spec, speech, picture
 
-    steps = audio_mod.steps_for(spec, speech.numel())
-    t0 = time.perf_counter()
-    progress = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[fps]:.1f} fps (real time {task.fields[rt]})"),
-                        TimeElapsedColumn(), console=err)
 
-    def on_step(done):
-        if done == 1:
-            click.echo("charrun: first frames written", err=True)
-        fps = done * spec.frames_per_latent / (time.perf_counter() - t0)
-        progress.update(task, completed=done, fps=fps)
-        if stop.signum is not None:
-            raise KeyboardInterrupt
+def holds(cfg: RunConfig, result) -> str:
+    """What the render's output holds so far, for the line that ends it."""
+    if not result.written:
+        return f"{cfg.out} was not written (no frames were made)"
+    return f"{cfg.out} holds {result.frames} frames"
 
-    def holds(result) -> str:
-        if not result.written:
-            return f"{out} was not written (no frames were made)"
-        return f"{out} holds {result.frames} frames"
 
+def render_file(cfg: RunConfig, image_fit: ImageFit) -> None:
+    from .render import Rendered, render
+
+    err = Console(stderr=True)
+    stop = Stop()
+    worker, spec, speech, picture = open_render(cfg, image_fit, stop)
+    progress = StepProgress(spec, audio_mod.steps_for(spec, speech.numel()), stop, err)
     result = Rendered()
     try:
         with progress:
-            task = progress.add_task("steps", total=steps, fps=0.0, rt=spec.fps)
             stop.generating = True
-            render(worker, picture.pixels, prompt, speech, out, seed, on_step, result)
+            render(worker, picture.pixels, cfg.prompt, speech, cfg.out, cfg.seed,
+                   progress.on_step, result)
             stop.generating = False
     except KeyboardInterrupt:
         stop.done()  # the file is closed: further signals change nothing
         worker.close()
         click.echo(f"charrun: stopped by {stop.name} after {result.steps} steps; "
-                   f"{holds(result)}", err=True)
+                   f"{holds(cfg, result)}", err=True)
         sys.exit(stop.exit_code)
     except Exception as e:  # noqa: BLE001 - one line, and the MP4 so far is kept
         worker.close()
         raise click.ClickException(f"session failed after {result.steps} steps "
-                                   f"({type(e).__name__}: {e}); {holds(result)}") from None
+                                   f"({type(e).__name__}: {e}); {holds(cfg, result)}") from None
     worker.close()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - progress.t0
     err.print(summary_table(result.times, result.steps, wall, spec.fps, spec.frames_per_latent))
-    click.echo(f"wrote {out}: {result.frames} frames at {spec.fps} fps with audio")
+    click.echo(f"wrote {cfg.out}: {result.frames} frames at {spec.fps} fps with audio")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@ import multiprocessing as mp
 import torch
 import torch.distributed as dist
 
-from charengine import audio as audio_mod
-from charengine.warmup import warm_up, warm_up_side
+from charengine.characters import audio as audio_mod
+from charengine.family import family_of
+from charengine.mapping import Mapping
 
 from .engine import Engine
 from .pipeline import Pipeline, StepTimes
@@ -59,17 +60,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def fused_exchange(cfg, tp_group, device: torch.device):
+def fused_exchange(cfg, mapping: Mapping, peer_devices: list[str]):
     """The fused GEMM + all-reduce of a GPU TP group, bound once to the steady-state shape
-    (collective over the group), or None where the plain GEMM-then-NCCL path applies."""
+    (collective over mapping.group), or None where the plain GEMM-then-NCCL path applies:
+    switched off, one rank, a CPU, or GPUs without symmetric memory between them."""
     from charengine.plugins import gemm_allreduce
 
-    world = dist.get_world_size(tp_group)
+    device = mapping.torch_device
     steady = (cfg.model.tokens_per_frame, cfg.model.dim)
+    symmetric = gemm_allreduce.symmetric_memory_available(device, peer_devices)
     if not (cfg.switches.fused_gemm_allreduce
-            and gemm_allreduce.use_fused(device, world, steady, steady, True)):
+            and gemm_allreduce.use_fused(device, mapping.tp, steady, steady, symmetric)):
         return None
-    x = gemm_allreduce.Exchange.symmetric(tp_group, *steady, device)
+    x = gemm_allreduce.Exchange.symmetric(mapping.group, *steady, device)
     return gemm_allreduce.SymmetricGemmAllReduce(x)
 
 
@@ -113,13 +116,13 @@ def _detach_from_rank0() -> None:
 
 def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: float,
                   ready_timeout_s: float, log_dir: str):
-    """A TP rank's process: global rank = rank + 1. Control and hand-offs to rank 0 go over
+    """A TP rank's process (global rank: its Mapping's). Control and hand-offs to rank 0 go over
     gloo on CPU tensors; the TP group's all-reduce is NCCL on GPUs (or the fused kernel at
     the steady shape), gloo on CPU. Any error is written for rank 0 to report, and the
     process exits 1 without printing it."""
     _detach_from_rank0()
     torch.set_num_threads(1)
-    grank = rank + 1
+    grank = Mapping(world - 1, rank, host_process=True).global_rank
     try:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=False,
@@ -129,26 +132,24 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                                 timeout=timeout)
         # checksums run while the weights load; the rank is ready (barrier below) after both
         engine = Engine.load(engine_dir, ranks=[rank], verify_in_background=True)
-        device = torch.device(engine.target.rank_devices()["tp"][rank])
+        mapping = engine.target.mapping(rank)
+        device = mapping.torch_device
         if device.type == "cuda":
             torch.cuda.set_device(device)
         store.set(_stage_key("loaded", rank), "1")
         control = dist.new_group(list(range(world)), timeout=IDLE_TIMEOUT, backend="gloo")
-        tp_group = dist.new_group(list(range(1, world)), timeout=timeout,
+        tp_group = dist.new_group(mapping.tp_global_ranks, timeout=timeout,
                                   backend="nccl" if device.type == "cuda" else "gloo")
-
-        def all_reduce(t):
-            dist.all_reduce(t, group=tp_group)
-            return t
-
+        mapping = mapping.with_group(tp_group)
         cfg = engine.config
         spec = cfg.model
         kernels = engine.kernel_cache().activate() if device.type == "cuda" else None
-        fused = fused_exchange(cfg, tp_group, device) if device.type == "cuda" else None
+        fused = fused_exchange(cfg, mapping, engine.target.rank_devices()["tp"]) \
+            if device.type == "cuda" else None
         with engine.verifying():
-            session = load_rank(engine, rank, device, all_reduce, fused)
+            session = load_rank(engine, mapping, fused)
         if device.type == "cuda":
-            warm_up(session)  # in step with the other TP ranks: the same collectives
+            family_of(cfg).warm_up(session)  # in step with the other TP ranks: the same collectives
         store.set(_stage_key("ready", rank), "1")
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=ready_timeout_s))
         lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
@@ -205,12 +206,12 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
 class _Ranks:
     """The TP ranks' processes (spawned, not forked: CUDA and gloo start clean in each)."""
 
-    def __init__(self, processes):
-        self.processes = processes
+    def __init__(self, processes, global_ranks: list[int]):
+        self.processes, self.global_ranks = processes, global_ranks
 
     def dead(self) -> list[int]:
-        """Global ranks (1..tp) whose process has exited."""
-        return [i + 1 for i, p in enumerate(self.processes) if p.exitcode is not None]
+        """Global ranks whose process has exited."""
+        return [g for g, p in zip(self.global_ranks, self.processes) if p.exitcode is not None]
 
     def stop(self, grace_s: float) -> None:
         """Wait up to grace_s for every rank to exit, then kill the rest."""
@@ -233,16 +234,16 @@ class DistributedWorker:
         """`timeout_s` bounds every hand-off in a session (a hung rank); `ready_timeout_s`
         bounds the ranks' start: weights, kernels, warm-up; `stop_grace_s` is how long
         close() lets the ranks exit before it kills them."""
-        from charengine.sidenets import load_side
-
         engine.verified()
         self.engine, self.cfg, self.spec = engine, engine.config, engine.config.model
         self.timeout_s, self.ready_timeout_s = timeout_s, ready_timeout_s
         self.stop_grace_s = stop_grace_s
-        self.decoder_device = torch.device(engine.target.rank_devices()["decoder"])
-        self.side = load_side(self.spec, engine.side_state(), self.decoder_device)
+        self.mapping = engine.target.mapping(0)
+        self.family = family_of(self.cfg)
+        self.decoder_device = torch.device(self.mapping.decoder_device)
+        self.side = self.family.load_side(self.spec, engine.side_state(), self.decoder_device)
         if self.decoder_device.type == "cuda":
-            warm_up_side(self.side, self.spec, self.decoder_device)
+            self.family.warm_up_side(self.side, self.spec, self.decoder_device)
         self.own_log_dir = log_dir is None
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="charengine-ranks-")
         os.makedirs(self.log_dir, exist_ok=True)
@@ -258,8 +259,8 @@ class DistributedWorker:
 
     # ---- the group ------------------------------------------------------------------
     def _launch(self) -> None:
-        world = self.cfg.tp + 1
-        for r in range(1, world):  # errors of an earlier group's ranks
+        world = self.mapping.world_size
+        for r in self.mapping.tp_global_ranks:  # errors of an earlier group's ranks
             stale = os.path.join(self.log_dir, f"rank{r}.err")
             if os.path.exists(stale):
                 os.remove(stale)
@@ -268,9 +269,10 @@ class DistributedWorker:
                                    timeout=timeout, wait_for_workers=False)
         spawn = mp.get_context("spawn")
         self.ctx = _Ranks([spawn.Process(
-            target=_tp_rank_main, name=f"charengine-rank{r + 1}",
+            target=_tp_rank_main, name=f"charengine-rank{self.engine.target.mapping(r).global_rank}",
             args=(r, world, self.store.port, str(self.engine.path), self.timeout_s,
-                  self.ready_timeout_s, self.log_dir)) for r in range(self.cfg.tp)])
+                  self.ready_timeout_s, self.log_dir)) for r in range(self.cfg.tp)],
+            self.mapping.tp_global_ranks)
         for p in self.ctx.processes:
             p.start()
         deadline = time.monotonic() + self.ready_timeout_s
@@ -282,7 +284,7 @@ class DistributedWorker:
             # every rank joins every group's creation, with the TP ranks' backend
             self.control = dist.new_group(list(range(world)), timeout=IDLE_TIMEOUT,
                                           backend="gloo")
-            dist.new_group(list(range(1, world)), timeout=timeout,
+            dist.new_group(self.mapping.tp_global_ranks, timeout=timeout,
                            backend="nccl" if self.engine.target.device == "cuda" else "gloo")
             self._await_stage("ready", deadline)  # every rank has loaded and warmed up
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.ready_timeout_s))

@@ -216,9 +216,9 @@ class Engine:
     def rank_state(self, rank: int, device="cpu") -> dict[str, torch.Tensor]:
         return load_file(str(self.path / rank_file(rank)), device=str(device))
 
-    def adaln_tables(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        t = load_file(str(self.path / ADALN), device=str(device))
-        return t["adaln_table"], t["final_table"]
+    def tables(self, device="cpu") -> dict[str, torch.Tensor]:
+        """The tables the family baked for the fixed schedule (the AdaLN modulations)."""
+        return load_file(str(self.path / ADALN), device=str(device))
 
     def side_state(self) -> dict[str, torch.Tensor]:
         return load_file(str(self.path / SIDE))

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from charengine import audio as audio_mod
+from charengine.characters import audio as audio_mod
 
 from .metrics import Metrics
 from .pacer import Pacer, Step

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from charengine import audio as audio_mod
+from charengine.characters import audio as audio_mod
 
 from .media import Mp4Writer
 from .pipeline import StepTimes

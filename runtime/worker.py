@@ -12,31 +12,24 @@ import time
 
 import torch
 
-from charengine import audio as audio_mod
-from charengine.cache import KVCache
-from charengine.config import RankShape
-from charengine.graphs import GraphedStep
-from charengine.model import CharacterDiT, identity
-from charengine.sidenets import load_side
-from charengine.step import Session, ar_step
-from charengine.warmup import warm_up, warm_up_side
+from charengine.assemble import rank_session
+from charengine.characters import audio as audio_mod
+from charengine.family import family_of
+from charengine.mapping import Mapping
 
 from .engine import Engine, EngineError
 from .pipeline import Pipeline, StepTimes
 
 
-def load_rank(engine: Engine, rank: int, device: torch.device, all_reduce=identity,
-              fused_gemm_allreduce=None) -> Session:
-    """TP rank `rank`'s session on `device`, weights read straight onto it; on a GPU its
-    steps replay captured graphs (warm_up captures them)."""
-    cfg, spec = engine.config, engine.config.model
-    shape = RankShape.of(spec, cfg.tp, rank)
-    model = CharacterDiT(cfg, shape, engine.rank_state(rank, device), all_reduce,
-                         adaln_tables=engine.adaln_tables(device), device=device,
-                         fused_gemm_allreduce=fused_gemm_allreduce,
-                         gemm_plan=engine.gemm_plan(rank) if device.type == "cuda" else None)
-    step_fn = GraphedStep() if device.type == "cuda" else ar_step
-    return Session(model, KVCache(cfg, shape.heads, device), step_fn)
+def load_rank(engine: Engine, mapping: Mapping, exchange=None):
+    """TP rank `mapping.rank`'s session on `mapping.device`, weights read straight onto it,
+    with the engine's tables and (on a GPU) its GEMM plan; on a GPU its steps replay captured
+    graphs (warm_up captures them). `exchange`: the TP group's fused GEMM + all-reduce."""
+    device = mapping.torch_device
+    return rank_session(engine.config, engine.rank_state(mapping.rank, device), mapping,
+                        tables=engine.tables(device), exchange=exchange,
+                        gemm_plan=engine.gemm_plan(mapping.rank) if device.type == "cuda"
+                        else None)
 
 
 class Worker:
@@ -48,29 +41,30 @@ class Worker:
         at start, as a JIT worker does (the start-up benchmark's comparison)."""
         t0 = time.perf_counter()
         cfg = self.cfg = engine.config
-        devices = engine.target.rank_devices()
+        self.family = family_of(cfg)
         if rank_slice is None:
             if cfg.tp != 1:
                 raise EngineError(f"engine {engine.target.name} is TP-{cfg.tp}: this charrun "
                                   "runs TP-1 engines in one process")
-            rank_slice = 0
-            self.device = torch.device(devices["tp"][0])
-            self.decoder_device = torch.device(devices["decoder"])
-        else:
-            self.device = self.decoder_device = torch.device(devices["decoder"])
+            mapping = engine.target.mapping(0)
+        else:  # one rank alone on the decoder's device, its all-reduce left out
+            mapping = engine.target.mapping(rank_slice).slice_alone(
+                engine.target.mapping(0).decoder_device)
+        self.device = mapping.torch_device
+        self.decoder_device = torch.device(mapping.decoder_device)
         self.kernels = engine.kernel_cache(engine_kernels).activate() \
             if self.device.type == "cuda" else None
         self.spec = spec = cfg.model
         with engine.verifying():
-            self.session = load_rank(engine, rank_slice, self.device)
-            self.side = load_side(spec, engine.side_state(), self.decoder_device)
+            self.session = load_rank(engine, mapping)
+            self.side = self.family.load_side(spec, engine.side_state(), self.decoder_device)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         steps = 0
         if self.device.type == "cuda":
-            steps = warm_up(self.session)
-            warm_up_side(self.side, spec, self.decoder_device)
+            steps = self.family.warm_up(self.session)
+            self.family.warm_up_side(self.side, spec, self.decoder_device)
         self.startup = {"load_s": t1 - t0, "warm_up_s": time.perf_counter() - t1,
                         "warm_up_steps": steps}
 

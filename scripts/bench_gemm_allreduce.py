@@ -21,7 +21,8 @@ import torch
 
 from bench_kernels import graph_time_us
 from charengine import fp8
-from charengine.config import RankShape, preset
+from charengine.characters.spec import RankShape
+from charengine.config import preset
 from charengine.engine_format import this_machine
 from charengine.plugins import gemm_allreduce as gar
 from charengine.plugins.fp8_gemm import triton_scaled_mm

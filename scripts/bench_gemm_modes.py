@@ -15,17 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
 from charengine import fp8
-from charengine.config import RankShape, preset
+from charengine.characters.spec import RankShape
+from charengine.config import preset
 from charengine.engine_format import this_machine
 from charengine.plugins.cublaslt import Handle, Matmul
 from charengine.plugins.gemm_residual import WORKSPACE_BYTES
+from charengine.timing import Span, median
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:
@@ -46,13 +47,10 @@ def time_graphs(graphs: dict, reps: int) -> dict:
         order = list(graphs)
         random.Random(r).shuffle(order)
         for k in order:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graphs[k].replay()
-            b.record()
-            b.synchronize()
-            times[k].append(a.elapsed_time(b))
-    return {k: {"ms": statistics.median(v), "runs": [round(t, 2) for t in v]}
+            with Span("cuda") as span:
+                graphs[k].replay()
+            times[k].append(span.ms)
+    return {k: {"ms": median(v), "runs": [round(t, 2) for t in v]}
             for k, v in times.items()}
 
 

@@ -16,7 +16,6 @@ import argparse
 import functools
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -24,11 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from charengine import fp8
-from charengine.config import RankShape, preset
+from charengine.characters.spec import RankShape
+from charengine.config import preset
 from charengine.engine_format import this_machine
-from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, \
+from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, gemm, \
     gemm_residual, pre_attention, quack_gemm
-from charengine.rope import RopeTables
+from charengine.plugins.gemm import BACKENDS as GEMM_BACKENDS
+from charengine.characters.rope import RopeTables
+from charengine.timing import cuda_ms, median, wall_ms
 
 
 def graph_time_us(fn, calls: int, reps: int) -> float:
@@ -40,16 +42,7 @@ def graph_time_us(fn, calls: int, reps: int) -> float:
     with torch.cuda.graph(g):
         for i in range(calls):
             fn(i)
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    return median([ms * 1e3 / calls for ms in cuda_ms(g.replay, reps, warmup=1)])
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -259,15 +252,7 @@ def bench_delta(spec, cfg, shape, reps, dev):
 def eager_time_ms(fn, reps: int) -> float:
     """Median wall milliseconds of fn() run eagerly, synchronized (host launches included:
     the calibration runs outside the graphs, once per session)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return median(wall_ms(fn, reps, warmup=1, device="cuda"))
 
 
 def bench_calibrate(spec, cfg, shape, reps, dev):
@@ -289,11 +274,11 @@ def bench_calibrate(spec, cfg, shape, reps, dev):
                              ("triton", calibrate.triton_calibrate))}
 
 
-QUACK_TILES = ("128,256,2,1,0", "128,192,2,1,1", "256,192,1,2,0", "256,160,1,2,0",
-               "128,128,2,1,1")
+# charbuild's QuACK candidates and one more tile configuration
+QUACK_TILES = (*quack_gemm.CANDIDATES, "128,128,2,1,1")
 
 
-def bench_gemm(spec, shape, calls, reps, dev, libs=("scaled_mm", "triton", "quack")):
+def bench_gemm(spec, shape, calls, reps, dev, libs=GEMM_BACKENDS):
     """`libs`: the candidates timed; quack where it is installed (plugins/quack_gemm.py),
     with fast accumulation at every tile configuration and promoted sums at the first."""
     T = spec.tokens_per_frame
@@ -421,7 +406,7 @@ def bench_epilogues(spec, shape, calls, reps, dev):
                        o_q, o_s, *w_out[i % n], hs[i % n], bf, True, t), calls, reps,
                    lambda t=t: {"rel_err": rel(quack_gemm.quack_scaled_mm_residual(
                        o_q, o_s, *w_out[0], hs[0], bf, True, t), ref_r)})
-        lt = gemm_residual.select(dev)
+        lt = gemm.select("scaled_mm", "residual", dev)
         _timed(out, "w_out_residual_cublaslt", lambda i: lt(o_q, o_s, *w_out[i % n], hs[i % n],
                                                             bf, True), calls, reps)
     # the quantization before the output projection
@@ -483,7 +468,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--only", nargs="*", default=["attention", "pre_attention", "act", "delta",
                                                   "calibrate", "gemm", "epilogues"])
-    ap.add_argument("--gemm-libs", default="scaled_mm,triton,quack",
+    ap.add_argument("--gemm-libs", default=",".join(GEMM_BACKENDS),
                     help="the GEMM candidates --only gemm times (quack where installed)")
     ap.add_argument("--gpu-tag", default="h200")
     ap.add_argument("--out", type=Path, default=Path("docs/results"))

@@ -1,8 +1,16 @@
-"""Session benchmark on one GPU: one TP rank's slice of a preset (the all-reduce left out),
-random weights made on the device, a live-length session with the window full and resets
-included, per-step CUDA-event timings, a torch.profiler breakdown laid out like paper Table 2,
-and the GEMM and attention floors measured alone in the same process.
+"""Session benchmark on one GPU: one TP rank's slice (the all-reduce left out), a
+live-length session with the window full and resets included, per-step CUDA-event timings,
+a torch.profiler breakdown laid out like paper Table 2, and the GEMM and attention floors
+measured alone in the same process.
 
+With --engine, the rank is loaded as charrun loads it (runtime/worker.py: the engine's
+weights, tables, GEMM plan and compiled kernels, the warm-up that captures the step graphs):
+the headline numbers. Without, the rank of --preset/--arm is assembled in memory from random
+weights made on the device (charengine/assemble.py, the same assembly) with the GEMM plan
+charbuild would measure (builder/bake.py), for the switch arms.
+
+    charbuild --target h100-tp3 --ranks 0 --out engines/h100-tp3-r0
+    python scripts/bench_session.py --engine engines/h100-tp3-r0 --rank 0
     python scripts/bench_session.py --preset characters-57b --tp 3 --arm production
     python scripts/bench_session.py --preset tiny --device cpu --steps 100 --exclude 20
 
@@ -21,14 +29,17 @@ from pathlib import Path
 
 import torch
 
-from charengine.cache import KVCache
-from charengine.config import EngineConfig, Numerics, RankShape, Switches, preset
+from charengine.assemble import rank_session
+from charengine.characters.cache import KVCache
+from charengine.characters.model import CharacterDiT, bake_adaln
+from charengine.characters.spec import RankShape
+from charengine.characters.step import Session, ar_step
+from charengine.characters.weights import random_rank_state
+from charengine.config import EngineConfig, Numerics, Switches, preset
 from charengine.engine_format import this_machine
-from charengine.graphs import GraphedStep
-from charengine.model import CharacterDiT, bake_adaln
+from charengine.mapping import Mapping
+from charengine.plugins import gemm
 from charengine.plugins.attention import AttentionTiles
-from charengine.step import Session, ar_step
-from charengine.weights import random_rank_state
 
 DENSE_FP8_PEAK_TFLOPS = 1979.0  # H100/H200 SXM datasheet, dense
 COMPONENTS = ("fp8_gemm", "gemm", "act_quant", "cache_upkeep", "pre_attention", "attention",
@@ -141,7 +152,7 @@ def elapsed_ms(device, pair) -> float:
     return a.elapsed_time(b) if device.type == "cuda" else 1e3 * (b - a)
 
 
-def floors(model: CharacterDiT, cache: KVCache, device, reps: int = 5) -> dict:
+def floors(model: CharacterDiT, cache: KVCache, device, plan: dict, reps: int = 5) -> dict:
     """The step's FP8 GEMMs alone (its own weights, pre-quantized activations, the same
     kernels) and its attention alone (the same kernel, FP8 or the bf16 SDPA backend, over
     caches of the step's shape rotated past L2), each captured as one CUDA graph of a step's
@@ -154,7 +165,8 @@ def floors(model: CharacterDiT, cache: KVCache, device, reps: int = 5) -> dict:
     a_in = fp8.quantize_rows(torch.randn(T, spec.dim, device=device, generator=g))
     a_out = fp8.quantize_rows(torch.randn(T, model.A + model.rank.mlp, device=device, generator=g))
     q = torch.randn(model.rank.heads, T, spec.head_dim, device=device, generator=g).to(model.dtype)
-    fp8_attention = model.fp8_attention is not None and cache.fp8_kv
+    kernel = model.ops.attention.kernel
+    fp8_attention = kernel is not None and cache.fp8_kv
     n = min(8, cache.bp)
     if fp8_attention:  # the step's kernel over FP8 caches of the step's shape
         q8, qs = fp8.quantize_rows(q)
@@ -166,14 +178,14 @@ def floors(model: CharacterDiT, cache: KVCache, device, reps: int = 5) -> dict:
         for _ in range(cfg.schedule.passes):
             for b in range(spec.n_blocks):
                 for (aq, a_s), w in ((a_in, "w_in"), (a_out, "w_out")):
-                    gemm = model.planned_gemm.get(w, fp8.scaled_mm)
-                    gemm(aq, a_s, model.w[f"blocks.{b}.{w}.q"], model.w[f"blocks.{b}.{w}.scale"],
+                    mm = gemm.select(plan.get(w))
+                    mm(aq, a_s, model.w[f"blocks.{b}.{w}.q"], model.w[f"blocks.{b}.{w}.scale"],
                          model.dtype, cfg.numerics.fast_accum_for(w))
 
     def attention():
         for i in range(cfg.schedule.passes * spec.n_blocks):
             if fp8_attention:
-                model.fp8_attention(q8, qs, *kv[i % n], model.dtype)
+                kernel(q8, qs, *kv[i % n], model.dtype)
             else:
                 k, v = kv[i % n]
                 torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])
@@ -310,12 +322,61 @@ def profile_graphed(session: Session, steps: int, inputs) -> dict:
             "busy_total_ms": sum(busy.values()) * ms, "gap_total_ms": sum(gap.values()) * ms}
 
 
+def engine_session(path: Path, rank: int, engine_kernels: bool = True):
+    """TP rank `rank` of the engine at `path` as charrun loads it: runtime/worker.py's Worker
+    over the rank's slice (weights, tables, GEMM plan and compiled kernels, warmed up with its
+    graphs captured). Returns (session, config, GEMM plan)."""
+    from charengine.runtime.engine import Engine
+    from charengine.runtime.worker import Worker
+
+    engine = Engine.load(path, ranks=[rank])
+    worker = Worker(engine, rank_slice=rank, engine_kernels=engine_kernels)
+    print(f"engine {path}: rank {rank} ready in {sum(worker.startup[k] for k in ('load_s', 'warm_up_s')):.1f} s, "
+          f"{worker.compiles} compiled, GEMM plan {engine.gemm_plan(rank)}")
+    return worker.session, engine.config, engine.gemm_plan(rank)
+
+
+def memory_session(args, device):
+    """The arm's rank assembled in memory (charengine/assemble.py) from random weights made
+    on the device, with the GEMM plan charbuild would measure on a GPU (builder/bake.py), or
+    the one --gemm-in/--gemm-out name. Returns (session, config, GEMM plan)."""
+    cfg = arm_config(args.arm or "production", args.preset, args.tp)
+    if args.fast_accum is not None:
+        linears = () if args.fast_accum == "none" else tuple(args.fast_accum.split(","))
+        cfg = cfg.replace(numerics=dataclasses.replace(
+            cfg.numerics, fast_accum=bool(linears), fast_accum_linears=linears or Numerics.LINEARS))
+    if args.switches:
+        cfg = cfg.replace(switches=dataclasses.replace(cfg.switches,
+                                                       **parse_switches(args.switches)))
+    spec = cfg.model
+    shape = RankShape.of(spec, args.tp, args.rank)
+    mapping = Mapping(args.tp, args.rank, str(device), str(device), alone=True)
+    with torch.inference_mode():
+        state, adaln_w = random_rank_state(spec, shape, args.seed, device,
+                                           getattr(torch, cfg.numerics.dtype),
+                                           keep_adaln_weights=not cfg.switches.baked_adaln)
+        tables = bake_adaln(cfg, adaln_w)
+        del adaln_w
+        plan = {k: c for k, c in (("w_in", args.gemm_in), ("w_out", args.gemm_out)) if c}
+        if device.type == "cuda" and not plan:
+            from charengine.builder.bake import gemm_plan
+
+            plan, _ = gemm_plan(cfg, state, mapping)
+        tiles = AttentionTiles.parse(args.attention_tiles) if args.attention_tiles else None
+        session = rank_session(cfg, state, mapping, tables=tables, gemm_plan=plan,
+                               graphed=device.type == "cuda" and not args.no_graphs,
+                               attention_tiles=tiles)
+    return session, cfg, plan
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", type=Path, default=None,
+                    help="an engine directory: its rank --rank loaded as charrun loads it")
     ap.add_argument("--preset", default="characters-57b")
     ap.add_argument("--tp", type=int, default=3)
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--arm", default="production",
+    ap.add_argument("--arm", default=None, help="the switch arm (default: production)",
                     choices=["production", "baseline", *Switches.ORDER])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--exclude", type=int, default=60, help="first steps left out of steady state")
@@ -344,30 +405,17 @@ def main():
     args = ap.parse_args()
 
     device = torch.device(args.device)
-    cfg = arm_config(args.arm, args.preset, args.tp)
-    if args.fast_accum is not None:
-        linears = () if args.fast_accum == "none" else tuple(args.fast_accum.split(","))
-        cfg = cfg.replace(numerics=dataclasses.replace(
-            cfg.numerics, fast_accum=bool(linears), fast_accum_linears=linears or Numerics.LINEARS))
-    if args.switches:
-        cfg = cfg.replace(switches=dataclasses.replace(cfg.switches,
-                                                       **parse_switches(args.switches)))
-    spec = cfg.model
-    shape = RankShape.of(spec, args.tp, args.rank)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        state, adaln_w = random_rank_state(spec, shape, args.seed, device, getattr(torch, cfg.numerics.dtype),
-                                           keep_adaln_weights=not cfg.switches.baked_adaln)
-        tables = bake_adaln(cfg, adaln_w)
-        del adaln_w
-        tiles = AttentionTiles.parse(args.attention_tiles) if args.attention_tiles else None
-        plan = {k: c for k, c in (("w_in", args.gemm_in), ("w_out", args.gemm_out)) if c}
-        model = CharacterDiT(cfg, shape, state, adaln_tables=tables, device=device,
-                             attention_tiles=tiles, gemm_plan=plan)
-        del state
-        cache = KVCache(cfg, shape.heads, device)
+    if args.engine is not None:
+        session, cfg, plan = engine_session(args.engine, args.rank, engine_kernels=True)
+        args.preset, args.tp, args.arm = cfg.model.name, cfg.tp, args.arm or "engine"
+        device = session.cache.step.device
+    else:
+        args.arm = args.arm or "production"
+        session, cfg, plan = memory_session(args, device)
+    model, cache = session.model, session.cache
+    spec, shape = cfg.model, model.rank
     graphed = device.type == "cuda" and not args.no_graphs
-    session = Session(model, cache, GraphedStep() if graphed else ar_step)
     build_s = time.perf_counter() - t0
 
     g = torch.Generator(device=device).manual_seed(args.seed + 1)
@@ -420,7 +468,7 @@ def main():
             if args.profile_steps else ({}, {})
         graphed_profile = profile_graphed(session, args.profile_graph_steps, inputs) \
             if graphed and args.profile_graph_steps else None
-        fl = floors(model, cache, device)
+        fl = floors(model, cache, device, plan)
     if backends is not None:
         backends.__exit__(None, None, None)
 

@@ -11,36 +11,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 
 import torch
 
-from charengine.audio import AudioEncoder, window_samples
-from charengine.config import PRESETS
-from charengine.decoder import Decoder
+from charengine.characters.audio import AudioEncoder, window_samples
+from charengine.characters.spec import PRESETS
+from charengine.characters.decoder import Decoder
+from charengine.timing import cuda_ms, median
 
 
 def time_ms(fn, device, reps: int) -> float:
-    fn()
-    fn()
-    if device.type != "cuda":
-        import time
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(ts)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    """Median milliseconds of fn() after two warm calls (CUDA events on a GPU)."""
+    return median(cuda_ms(fn, reps, warmup=2, device=device))
 
 
 def conv_tflop(spec) -> float:

@@ -37,9 +37,10 @@ def child(args) -> None:
     t_imp = time.time()
     import torch
 
-    from charengine import audio as audio_mod
+    from charengine.characters import audio as audio_mod
     from charengine.runtime.engine import Engine
     from charengine.runtime.worker import Worker
+    from charengine.timing import Span
 
     imported = time.time()
     t0 = time.perf_counter()
@@ -80,13 +81,9 @@ def child(args) -> None:
         for _ in range(args.steps):
             noise, feats = (torch.randn(lat, device=dev),
                             torch.randn(spec.audio_tokens, spec.audio_dim, device=dev))
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t = time.perf_counter()
-            worker.session.step(noise, feats)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            step_ms.append(1e3 * (time.perf_counter() - t))
+            with Span(dev, wall=True) as span:
+                worker.session.step(noise, feats)
+            step_ms.append(span.ms)
     print("DONE " + json.dumps({"sessions": sessions, "step_ms": step_ms,
                                 "compiles": worker.compiles}), flush=True)
     worker.close()

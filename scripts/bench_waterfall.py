@@ -20,9 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = ["baseline", "baked_adaln", "rope_at_write", "ring_cache", "fp8_kv", "conditioning_cache",
-        "fused_pre_attention", "fused_act_quant", "fp8_attention_kernel", "fused_delta_rotation",
-        "fused_residual", "fused_calibration"]
+from charengine.config import Switches
+
+# The cumulative switch arms in Figure 2's order; the fused all-reduce, the last switch, is
+# not a bar (bench_session.py --arm fused_gemm_allreduce runs it)
+ARMS = ["baseline", *(a for a in Switches.ORDER if a != "fused_gemm_allreduce")]
 LABELS = {"baseline": "Baseline", "baked_adaln": "+AdaLN", "rope_at_write": "+RoPE@write",
           "ring_cache": "+Ring cache", "fp8_kv": "+FP8 KV", "conditioning_cache": "+Cond. cache",
           "fused_pre_attention": "+Fused pre-attn.", "fused_act_quant": "+Fused act. quant",

@@ -1,10 +1,10 @@
 """Quality of the tiny character on held-out clips (docs/QUALITY.md): identities and speech
 made from a seed the training never used, animated from each clip's first frame and its
-speech by the engine's step (charengine.offline), on the CPU.
+speech by the engine's step (charengine.characters.offline), on the CPU.
 
     python scripts/eval_quality.py --clips 20 --seconds 8
 
-Lip sync (charengine.quality.lip_sync) for the trained model, a random-weight model and the
+Lip sync (charengine.characters.quality.lip_sync) for the trained model, a random-weight model and the
 ground-truth clips; PSNR / SSIM between arms of the trained model (baseline, production,
 bf16 cache, fp32) against the run-to-run floor (production with another noise seed), each
 with 95% bootstrap intervals over clips. Writes docs/results/quality_tiny_cpu.json.
@@ -21,12 +21,13 @@ import numpy as np
 import torch
 
 from charengine.config import Numerics, Switches, preset
-from charengine.offline import animate, random_model_side
-from charengine.quality import bootstrap, compare_runs, lip_sync
-from charengine.rank import make_session, rank_state
-from charengine.sidenets import PREFIXES, load_side
-from charengine.synth import clip
-from charengine.weights import load_checkpoint, random_weights
+from charengine.characters.offline import animate, random_model_side
+from charengine.characters.quality import bootstrap, compare_runs, lip_sync
+from charengine.assemble import rank_session, rank_state
+from charengine.mapping import Mapping
+from charengine.characters.sidenets import PREFIXES, load_side
+from charengine.characters.synth import clip
+from charengine.characters.weights import load_checkpoint, random_weights
 
 HELD_OUT_SEED = 10**6 + 7  # train_tiny.py draws its clips from seed 0 (and vae 10**6 held-out)
 FP32 = Numerics(dtype="float32", fp8_gemm=False, fp8_attention=False)
@@ -58,8 +59,9 @@ def main():
     side = load_side(spec, side_state)
     rand_side = random_model_side(spec, side_state)
     cfgs = {arm: preset("tiny", **kw) for arm, kw in ARMS.items()}
-    sessions = {arm: make_session(cfg, rank_state(cfg, state)) for arm, cfg in cfgs.items()}
-    random_session = make_session(preset("tiny"), rank_state(preset("tiny"), random_weights(spec, 0)))
+    sessions = {arm: rank_session(cfg, rank_state(cfg, state), Mapping.single()) for arm, cfg in cfgs.items()}
+    random_session = rank_session(preset("tiny"), rank_state(preset("tiny"), random_weights(spec, 0)),
+                                  Mapping.single())
     rng = np.random.default_rng(HELD_OUT_SEED)
     sync = {k: [] for k in ("ground_truth", "random_weights", *ARMS)}
     pairs = {k: [] for k in ("floor_production_seed0_vs_seed1", "production_vs_baseline",

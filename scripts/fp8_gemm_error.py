@@ -16,7 +16,8 @@ import json
 import torch
 
 from charengine import fp8
-from charengine.config import RankShape, preset
+from charengine.characters.spec import RankShape
+from charengine.config import preset
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from charengine.config import Numerics, Switches, preset
-from charengine.rank import make_session, rank_state
-from charengine.weights import random_weights
+from charengine.assemble import rank_session, rank_state
+from charengine.mapping import Mapping
+from charengine.characters.weights import random_weights
 
 
 def rss_mb() -> float:
@@ -43,7 +44,7 @@ def main():
         "production": preset("tiny"),
     }
     full = random_weights(arms["production"].model, args.seed)
-    sessions = {k: make_session(c, rank_state(c, full)) for k, c in arms.items()}
+    sessions = {k: rank_session(c, rank_state(c, full), Mapping.single()) for k, c in arms.items()}
     spec = arms["production"].model
     g = torch.Generator().manual_seed(args.seed + 1)
     lat = (spec.latent_channels, spec.latent_h, spec.latent_w)

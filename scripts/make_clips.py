@@ -1,4 +1,4 @@
-"""Procedural talking-character clips for training and evaluation (charengine.synth): random
+"""Procedural talking-character clips for training and evaluation (charengine.characters.synth): random
 identities, formant speech, mouths that follow the speech, blinks and head sway, at a preset's
 output size and frame rate with 16 kHz audio. One safetensors file per split; optional MP4s.
 
@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from charengine.config import PRESETS
-from charengine.synth import clip
+from charengine.characters.spec import PRESETS
+from charengine.characters.synth import clip
 
 
 def write_split(path: Path, clips) -> None:

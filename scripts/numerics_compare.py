@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from charengine.cache import KVCache
-from charengine.config import Numerics, RankShape, Switches, preset
+from charengine.assemble import rank_session
+from charengine.characters.model import bake_adaln
+from charengine.characters.spec import RankShape
+from charengine.characters.weights import random_rank_state
+from charengine.config import Numerics, Switches, preset
 from charengine.engine_format import this_machine
-from charengine.model import CharacterDiT, bake_adaln
-from charengine.plugins import attention
+from charengine.mapping import Mapping
 from charengine.plugins.attention import AttentionTiles
-from charengine.step import Session, ar_step
-from charengine.weights import random_rank_state
 
 CONTROLS = ("attention_rounding",)
 FP32 = Numerics(dtype="float32", fp8_gemm=False, fp8_attention=False)
@@ -46,9 +46,11 @@ VARIANTS = {
 }
 
 
-def session_latents(model, cache, cfg, inputs) -> torch.Tensor:
-    model.cfg = cfg
-    session = Session(model, cache, ar_step)
+def session_latents(cfg, state, tables, mapping, inputs, attention_tiles=None) -> torch.Tensor:
+    """The session of `cfg` on the rank's state, assembled as every rank is
+    (charengine/assemble.py), eager; freed after."""
+    session = rank_session(cfg, state, mapping, tables=tables, graphed=False,
+                           attention_tiles=attention_tiles)
     ref, prompt, steps = inputs
     session.start(ref, prompt)
     return torch.stack([session.step(noise, audio).float().cpu() for noise, audio in steps])
@@ -63,11 +65,8 @@ def fp32_latents(base, spec, shape, seed, device, inputs) -> torch.Tensor:
     cfg = base.replace(numerics=FP32, switches=switches)
     state, adaln_w = random_rank_state(spec, shape, seed, device, torch.float32,
                                        keep_adaln_weights=False)
-    model = CharacterDiT(cfg, shape, state, adaln_tables=bake_adaln(cfg, adaln_w), device=device)
-    del state, adaln_w
-    latents = session_latents(model, KVCache(cfg, shape.heads, device), cfg, inputs)
-    del model
-    return latents
+    mapping = Mapping(base.tp, shape.rank, str(device), str(device), alone=True)
+    return session_latents(cfg, state, bake_adaln(cfg, adaln_w), mapping, inputs)
 
 
 def main():
@@ -105,30 +104,29 @@ def main():
         state, adaln_w = random_rank_state(spec, shape, args.seed, device,
                                            getattr(torch, base.numerics.dtype),
                                            keep_adaln_weights=False)
-        model = CharacterDiT(base, shape, state, adaln_tables=bake_adaln(base, adaln_w),
-                             device=device)
-        del state, adaln_w
-        cache = KVCache(base, shape.heads, device)
+        tables = bake_adaln(base, adaln_w)
+        del adaln_w
+        mapping = Mapping(args.tp, args.rank, str(device), str(device), alone=True)
+
+        def run(cfg, tiles=None):
+            return session_latents(cfg, state, tables, mapping, inputs, tiles)
+
         t0 = time.perf_counter()
         if args.reference == "fp32":
             ref = fp32_latents(base, spec, shape, args.seed, device, inputs)
-            out = {"default": session_latents(model, cache, base, inputs)}
+            out = {"default": run(base)}
         else:
-            ref = session_latents(model, cache, base, inputs)
-            out = {"default_again": session_latents(model, cache, base, inputs)}
+            ref = run(base)
+            out = {"default_again": run(base)}
         for name in args.variants.split(","):
-            if name in CONTROLS:
-                saved = model.fp8_attention
-                model.fp8_attention = attention.select(
-                    spec.head_dim, AttentionTiles(fma=not AttentionTiles().fma))
-                out[name] = session_latents(model, cache, base, inputs)
-                model.fp8_attention = saved
+            if name in CONTROLS:  # the attention kernel's other softmax rounding
+                out[name] = run(base, AttentionTiles(fma=not AttentionTiles().fma))
                 continue
             if name not in VARIANTS or name == "default":
                 raise SystemExit(f"unknown variant {name!r}; known: " + ", ".join(
                     [v for v in VARIANTS if v != "default"] + list(CONTROLS)))
             cfg = base.replace(numerics=dataclasses.replace(base.numerics, **VARIANTS[name]))
-            out[name] = session_latents(model, cache, cfg, inputs)
+            out[name] = run(cfg)
         wall = time.perf_counter() - t0
 
     result = {"preset": args.preset, "layout": f"tp{args.tp}-rank{args.rank}",

@@ -1,4 +1,4 @@
-"""Train the tiny character from procedural clips (charengine.synth), on the CPU, with a fixed
+"""Train the tiny character from procedural clips (charengine.characters.synth), on the CPU, with a fixed
 seed.
 
 Stage `vae`: the latent encoder / decoder pair (4 frames <-> one latent; the decoder is the
@@ -6,7 +6,7 @@ engine's causal decoder) and the image encoder (one reference frame -> its laten
 are scaled to unit variance per channel, folded into the encoder and decoder weights.
 
 Stage `dit`: the `tiny` DiT and the audio encoder, by flow matching on the VAE's latents of
-fresh clips, with the engine's semantics (charengine.sequence): every frame of a training
+fresh clips, with the engine's semantics (charengine.characters.sequence): every frame of a training
 window at one noise level (drawn from the four-pass schedule three times in four, else
 uniform), block-causal attention over the cache window plus the reference image's and the
 prompt's global tokens, temporal indices where the engine puts them. The checkpoint holds
@@ -30,15 +30,16 @@ from safetensors.torch import save_file
 
 from safetensors.torch import load_file
 
-from charengine import audio as audio_mod
-from charengine.config import PRESETS, EngineConfig
-from charengine.decoder import Decoder, ImageEncoder, VideoEncoder
-from charengine.model import patchify
-from charengine.quality import psnr
-from charengine.sequence import SequenceDiT
-from charengine.sidenets import SideNets
-from charengine.synth import clip
-from charengine.weights import random_weights
+from charengine.characters import audio as audio_mod
+from charengine.characters.spec import PRESETS
+from charengine.config import EngineConfig
+from charengine.characters.decoder import Decoder, ImageEncoder, VideoEncoder
+from charengine.characters.model import patchify
+from charengine.characters.quality import psnr
+from charengine.characters.sequence import SequenceDiT
+from charengine.characters.sidenets import SideNets
+from charengine.characters.synth import clip
+from charengine.characters.weights import random_weights
 
 
 def clip_frames(n: int, seconds: float, seed: int, size: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from charengine.builder.build import build
+from charengine.builder.build_config import BuildConfig
 from charengine.target import Target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,5 +18,5 @@ def build_target(tmp: Path, target_file: str = "cpu-tiny", ranks=None, kernels=F
     if overrides:
         target = Target.from_dict({**target.to_dict(), **overrides})
     out = tmp / target.name
-    build(target, out, seed=0, log=lambda s: None, ranks=ranks, kernels=kernels)
+    build(BuildConfig(target, out, seed=0, ranks=ranks, kernels=kernels), log=lambda s: None)
     return out

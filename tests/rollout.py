@@ -3,9 +3,10 @@
 import torch
 
 from charengine.config import EngineConfig, Numerics
-from charengine.rank import make_session, rank_state
-from charengine.step import ar_step
-from charengine.weights import random_weights
+from charengine.assemble import rank_session, rank_state
+from charengine.mapping import Mapping
+from charengine.characters.step import ar_step
+from charengine.characters.weights import random_weights
 
 FP32 = Numerics(dtype="float32", fp8_gemm=False, fp8_attention=False)
 
@@ -21,10 +22,11 @@ def session_inputs(spec, steps: int, seed: int = 1):
 
 
 def rollout(cfg: EngineConfig, steps: int, weights_seed: int = 0, rank: int = 0,
-            all_reduce=None, step_fn=ar_step, full_state=None, inputs_seed: int = 1):
+            step_fn=ar_step, full_state=None, inputs_seed: int = 1):
+    """`rank` of cfg.tp (over the default process group where cfg.tp > 1)."""
     full = full_state if full_state is not None else random_weights(cfg.model, weights_seed)
-    kw = {} if all_reduce is None else {"all_reduce": all_reduce}
-    s = make_session(cfg, rank_state(cfg, full, rank), rank, step_fn=step_fn, **kw)
+    s = rank_session(cfg, rank_state(cfg, full, rank), Mapping.single(tp=cfg.tp, rank=rank),
+                     step_fn=step_fn)
     ref, prompt, noise, audio = session_inputs(cfg.model, steps, inputs_seed)
     s.start(ref, prompt)
     return torch.stack([s.step(noise[k], audio[k]) for k in range(steps)])

@@ -1,6 +1,6 @@
 import torch
 
-from charengine.cache import KVCache
+from charengine.characters.cache import KVCache
 from charengine.config import preset, Switches
 
 

@@ -161,9 +161,9 @@ def test_a_build_is_quick_to_refuse(tmp_path):
 
 @pytest.mark.parametrize("name", ["blocks.0.adaln.weight", "decoder", "patch_embed.bias"])
 def test_every_non_finite_tensor_is_named(tmp_path, name):
-    from charengine.config import PRESETS
-    from charengine.sidenets import check_side
-    from charengine.weights import CheckpointError, check_state
+    from charengine.characters.spec import PRESETS
+    from charengine.characters.sidenets import check_side
+    from charengine.characters.weights import CheckpointError, check_state
 
     spec = PRESETS["tiny"]
     with safe_open(str(TINY), "pt") as f:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from charengine import audio as audio_mod
-from charengine.config import PRESETS
+from charengine.characters import audio as audio_mod
+from charengine.characters.spec import PRESETS
 from charengine.runtime.engine import Engine
 from charengine.runtime.worker import Worker
 from engines import ROOT, build_target
@@ -155,7 +155,7 @@ def test_charrun_runs_a_tp2_engine_as_processes(tmp_path):
 
 
 def test_streaming_decoder_equals_decoding_the_sequence():
-    from charengine.decoder import Decoder
+    from charengine.characters.decoder import Decoder
 
     spec = PRESETS["tiny"]
     torch.manual_seed(0)

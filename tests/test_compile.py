@@ -5,9 +5,10 @@ wraps and resets without recompiling (a Python int position would be a guard tha
 import torch
 
 from charengine.config import preset
-from charengine.rank import make_session, rank_state
-from charengine.step import ar_step
-from charengine.weights import random_weights
+from charengine.assemble import rank_session, rank_state
+from charengine.mapping import Mapping
+from charengine.characters.step import ar_step
+from charengine.characters.weights import random_weights
 from rollout import session_inputs
 
 
@@ -15,8 +16,9 @@ def test_step_compiles_fullgraph_and_never_recompiles():
     torch._dynamo.reset()
     cfg = preset("tiny")
     compiled = torch.compile(ar_step, fullgraph=True, backend="aot_eager")
-    eager = make_session(cfg, rank_state(cfg, random_weights(cfg.model, 0)))
-    fast = make_session(cfg, rank_state(cfg, random_weights(cfg.model, 0)), step_fn=compiled)
+    eager = rank_session(cfg, rank_state(cfg, random_weights(cfg.model, 0)), Mapping.single())
+    fast = rank_session(cfg, rank_state(cfg, random_weights(cfg.model, 0)), Mapping.single(),
+                        step_fn=compiled)
     steps = 90
     ref, prompt, noise, audio = session_inputs(cfg.model, steps)
     eager.start(ref, prompt)

@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-from charengine.config import (PRESETS, CacheSpec, EngineConfig, Numerics, RankShape, Switches,
-                               preset)
+from charengine.characters.spec import PRESETS, RankShape
+from charengine.config import CacheSpec, EngineConfig, Numerics, Switches, preset
 
 
 def test_characters_57b_numbers_match_the_paper():

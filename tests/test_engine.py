@@ -220,16 +220,17 @@ def test_checksums_verified_while_the_weights_load_stop_the_worker(copy):
 
 
 def test_an_engines_gemm_plan_is_read_for_its_rank(copy):
-    from charengine.plugins import fp8_gemm
+    from charengine.plugins import gemm
 
     m = json.loads((copy / "manifest.json").read_text())
     assert Engine.load(copy).gemm_plan(0) == {}  # a CPU engine measures nothing
     m["kernels"]["gemm_plan"] = {"0": {"w_in": "scaled_mm", "w_out": "triton"}}
     (copy / "manifest.json").write_text(json.dumps(m))
     assert Engine.load(copy).gemm_plan(0) == {"w_in": "scaled_mm", "w_out": "triton"}
-    assert fp8_gemm.op("triton") is not fp8_gemm.op("scaled_mm") is fp8_gemm.op(None)
+    assert gemm.select("triton") is not gemm.select("scaled_mm") is gemm.select(None)
+    assert gemm.select("triton", "residual") is None  # the Triton GEMM has no C input
     with pytest.raises(ValueError, match="unknown GEMM choice 'cutlass'"):
-        fp8_gemm.op("cutlass")
+        gemm.select("cutlass")
 
 
 def test_an_engine_on_quack_is_refused_without_that_quack(copy):

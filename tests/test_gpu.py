@@ -1,13 +1,14 @@
-"""GPU paths against their plain references (skipped without CUDA; run on the device)."""
+"""GPU paths against their plain references (skipped without CUDA)."""
 
 import pytest
 import torch
 
 from charengine import fp8
 from charengine.config import Switches, preset
-from charengine.graphs import GraphedStep
-from charengine.rank import make_session, rank_state
-from charengine.weights import random_weights
+from charengine.characters.graphs import GraphedStep
+from charengine.assemble import rank_session, rank_state
+from charengine.mapping import Mapping
+from charengine.characters.weights import random_weights
 from rollout import rel_err, session_inputs
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +18,8 @@ STEPS = 60  # filling, calibration, steady, one reset (42)
 def run(cfg, device, step_fn=None, sync_check=False, gemm_plan=None):
     kw = {} if step_fn is None else {"step_fn": step_fn}
     kw |= {"gemm_plan": gemm_plan} if gemm_plan else {}
-    s = make_session(cfg, rank_state(cfg, random_weights(cfg.model, 0)), device=device, **kw)
+    s = rank_session(cfg, rank_state(cfg, random_weights(cfg.model, 0)), Mapping.single(device),
+                     **{"graphed": False, **kw})
     ref, prompt, noise, audio = (t.to(device) for t in session_inputs(cfg.model, STEPS))
     outs = []
     with torch.inference_mode():

@@ -5,8 +5,8 @@ counted apart, bootstrap intervals."""
 import numpy as np
 import pytest
 
-from charengine.quality import bootstrap, compare_runs, lip_sync, psnr
-from charengine.synth import clip
+from charengine.characters.quality import bootstrap, compare_runs, lip_sync, psnr
+from charengine.characters.synth import clip
 
 FPS, SR = 24, 16000
 

@@ -1,8 +1,10 @@
 import torch
 
 from charengine import fp8
-from charengine.config import PRESETS, CacheSpec
-from charengine.rope import RopeTables, cos_sin, rotate, rotate_temporal_f32
+from charengine.characters.spec import PRESETS
+from charengine.config import CacheSpec
+from charengine.characters.rope import RopeTables
+from charengine.rope import cos_sin, rotate, rotate_temporal_f32
 
 
 def test_delta_rotation_equals_rope_at_shifted_positions():

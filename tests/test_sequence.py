@@ -4,10 +4,11 @@ import torch
 
 from charengine import fp8
 from charengine.config import Switches, preset
-from charengine.model import patchify
-from charengine.rank import make_session, rank_state
-from charengine.sequence import SequenceDiT, block_causal_mask
-from charengine.weights import block_linear_names, random_weights
+from charengine.characters.model import patchify
+from charengine.assemble import rank_session, rank_state
+from charengine.mapping import Mapping
+from charengine.characters.sequence import SequenceDiT, block_causal_mask
+from charengine.characters.weights import block_linear_names, random_weights
 from rollout import FP32, session_inputs
 
 STEPS = 10  # the window of 6 fills, then the ring wraps
@@ -29,7 +30,7 @@ def test_sequence_forward_equals_the_engines_steps():
     spec = cfg.model
     full = random_weights(spec, 0)
     state = rank_state(cfg, full)
-    s = make_session(cfg, state)
+    s = rank_session(cfg, state, Mapping.single())
     seen = []  # (pass, input tokens, velocity) of every forward the engine runs
     forward = s.model.forward_frame
 

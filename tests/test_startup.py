@@ -1,4 +1,4 @@
-"""Engines start without compiling (GPU; skipped without CUDA, run on the device): a fresh
+"""Engines start without compiling (GPU; skipped without CUDA): a fresh
 charrun process loads an engine built with its kernels and compiles nothing, while the same
 engine built without them compiles every kernel at start."""
 

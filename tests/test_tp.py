@@ -18,11 +18,7 @@ def _worker(rank, tp, port, cfg, out_path):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=tp)
     try:
-        def all_reduce(t):
-            dist.all_reduce(t)
-            return t
-
-        out = rollout(cfg.replace(tp=tp), STEPS, rank=rank, all_reduce=all_reduce)
+        out = rollout(cfg.replace(tp=tp), STEPS, rank=rank)
         if rank == 0:
             torch.save(out, out_path)
     finally:

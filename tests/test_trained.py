@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from charengine.config import preset
-from charengine.offline import animate, random_model_side
-from charengine.quality import lip_sync
-from charengine.rank import make_session, rank_state
-from charengine.sidenets import PREFIXES, SideNets, load_side
-from charengine.synth import clip
-from charengine.weights import load_checkpoint, random_weights
+from charengine.characters.offline import animate, random_model_side
+from charengine.characters.quality import lip_sync
+from charengine.assemble import rank_session, rank_state
+from charengine.mapping import Mapping
+from charengine.characters.sidenets import PREFIXES, SideNets, load_side
+from charengine.characters.synth import clip
+from charengine.characters.weights import load_checkpoint, random_weights
 
 CKPT = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny.safetensors"
 
@@ -49,8 +50,8 @@ def test_trained_mouth_follows_speech_and_random_does_not(trained):
         c = clip(3.0, spec.out_h, rng)
         image = torch.from_numpy(c.frames[0]).permute(2, 0, 1).float() / 255
         speech = torch.from_numpy(c.audio)
-        frames = animate(make_session(cfg, rank_state(cfg, state)), side, image, speech)
-        rnd = animate(make_session(cfg, rank_state(cfg, random_weights(spec, 0))), random_side,
+        frames = animate(rank_session(cfg, rank_state(cfg, state), Mapping.single()), side, image, speech)
+        rnd = animate(rank_session(cfg, rank_state(cfg, random_weights(spec, 0)), Mapping.single()), random_side,
                       image, speech)
         n = len(c.frames)
         ours.append(lip_sync(frames[:n], c.audio, c.sample_rate, c.fps))

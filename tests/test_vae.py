@@ -8,10 +8,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from charengine.config import PRESETS
-from charengine.decoder import Decoder, ImageEncoder, VideoEncoder
-from charengine.quality import psnr
-from charengine.synth import clip
+from charengine.characters.spec import PRESETS
+from charengine.characters.decoder import Decoder, ImageEncoder, VideoEncoder
+from charengine.characters.quality import psnr
+from charengine.characters.synth import clip
 
 CKPT = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny_vae.safetensors"
 SPEC = PRESETS["tiny"]
@@ -46,4 +46,4 @@ def test_vae_reconstructs_held_out_clips():
     assert max(rel) < 0.5, rel
 
 
-PSNR_FLOOR = 18.0  # measured 19.0-21.0 dB on held-out clips (docs/PERFORMANCE.md)
+PSNR_FLOOR = 18.0  # below every held-out clip's PSNR (docs/PERFORMANCE.md, "The tiny VAE")

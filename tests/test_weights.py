@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from charengine.config import PRESETS
-from charengine.weights import CheckpointError, load_checkpoint, param_shapes, random_weights
+from charengine.characters.spec import PRESETS
+from charengine.characters.weights import CheckpointError, load_checkpoint, param_shapes, random_weights
 
 SPEC = PRESETS["tiny"]
 
@@ -65,8 +65,8 @@ def test_checkpoint_for_another_preset_is_refused(tmp_path):
 
 
 def test_rank_weights_made_one_tensor_at_a_time_equal_the_sharded_checkpoint():
-    from charengine.config import RankShape
-    from charengine.weights import RandomWeights, quantize_block_linears, rank_weights, shard
+    from charengine.characters.spec import RankShape
+    from charengine.characters.weights import RandomWeights, quantize_block_linears, rank_weights, shard
 
     spec = PRESETS["tiny-10h"]
     q = quantize_block_linears(spec, random_weights(spec, 0))

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import ModelSpec
+from .spec import ModelSpec
 
 
 def mel_filterbank(n_mels: int, n_fft: int, sr: int) -> torch.Tensor:

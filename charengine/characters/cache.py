@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from . import fp8
-from .config import EngineConfig
-from .rope import RopeTables, cos_sin, rotate, rotate_temporal_f32
+from .. import fp8
+from ..config import EngineConfig
+from .rope import RopeTables
+from ..rope import cos_sin, rotate, rotate_temporal_f32
 
 
 class KVCache(torch.nn.Module):
@@ -59,7 +60,7 @@ class KVCache(torch.nn.Module):
                              persistent=False)
         # Host-side phase, changed once per session between steps (never read from the device).
         self.quantized = False
-        from .plugins import calibrate, delta_rotation
+        from ..plugins import calibrate, delta_rotation
         self.rotate_fp8 = delta_rotation.select() \
             if cfg.switches.fused_delta_rotation and self.fp8_kv else delta_rotation.reference
         self.calibrate_fp8 = calibrate.select() \

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import ModelSpec
+from .spec import ModelSpec
 
 
 class CausalConv3d(torch.nn.Module):

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from . import audio as audio_mod
-from .config import ModelSpec
+from .spec import ModelSpec
 from .sidenets import SideNets, load_side, random_side_state
 from .step import Session
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .model import conditioning_vector
-from .ops import rms_norm_heads
-from .rope import RopeTables, cos_sin, rotate
+from ..ops import gated_residual, modulate, rms_norm_heads, swiglu
+from .rope import RopeTables
+from ..rope import cos_sin, rotate
 
 
 def block_causal_mask(G: int, T: int, frames: int, window: int, device=None) -> torch.Tensor:
@@ -76,16 +77,15 @@ class SequenceDiT(torch.nn.Module):
         A, M = d, spec.mlp_hidden
         for b in range(spec.n_blocks):
             shift, scale, gate = dense(c, f"blocks.{b}.adaln").reshape(B, 3, 1, d).unbind(1)
-            xm = F.layer_norm(h, (d,), eps=spec.norm_eps) * (1 + scale) + shift
-            y = xm @ w[f"blocks.{b}.w_in"].t()
+            y = modulate(h, shift, scale, spec.norm_eps) @ w[f"blocks.{b}.w_in"].t()
             q, k, v, g, u = y.split([A, A, A, M, M], dim=-1)
             q, k, v = (t.reshape(B, N, H, D).transpose(1, 2) for t in (q, k, v))
             q = rotate(rms_norm_heads(q, w[f"blocks.{b}.q_norm"], spec.norm_eps), cos, sin)
             k = rotate(rms_norm_heads(k, w[f"blocks.{b}.k_norm"], spec.norm_eps), cos, sin)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             o = o.transpose(1, 2).reshape(B, N, A)
-            h = h + gate * (torch.cat([o, F.silu(g) * u], dim=-1) @ w[f"blocks.{b}.w_out"].t())
+            h = gated_residual(h, gate, torch.cat([o, swiglu(g, u)], dim=-1) @ w[f"blocks.{b}.w_out"].t())
         shift, scale = dense(c, "final_adaln").reshape(B, 2, 1, d).unbind(1)
         hv = h[:, G:].reshape(B, L, T, d)[:, :, :V]
-        hv = F.layer_norm(hv, (d,), eps=spec.norm_eps) * (1 + scale[:, None]) + shift[:, None]
+        hv = modulate(hv, shift[:, None], scale[:, None], spec.norm_eps)
         return dense(hv, "final")

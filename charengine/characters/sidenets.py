@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .audio import AudioEncoder
-from .config import ModelSpec
+from .spec import ModelSpec
 from .decoder import Decoder, ImageEncoder
 from .text import TextEncoder
 

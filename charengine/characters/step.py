@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .cache import KVCache
-from .config import EngineConfig
+from ..config import EngineConfig
 from .model import CharacterDiT, patchify, unpatchify
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelSpec
+from .spec import ModelSpec
 
 
 class TextEncoder(torch.nn.Module):

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import fp8
-from .config import ModelSpec, RankShape
+from .. import fp8
+from .spec import ModelSpec, RankShape
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,0 +1,60 @@
+"""BuildConfig: every input of one engine build (what charbuild's flags give), and the target
+files a target name is looked up in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from charengine.target import Target
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS_DIR = REPO / "engines" / "targets"
+
+
+def find_target(name: str) -> Target:
+    """A target by name (a file in engines/targets/) or by the path of a target .toml;
+    ValueError, one line, for one that is unknown or does not read."""
+    path = Path(name)
+    if not path.suffix:
+        path = TARGETS_DIR / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in TARGETS_DIR.glob("*.toml")))
+        raise ValueError(f"unknown target {name!r}; known targets: {known}")
+    try:
+        return Target.from_toml(path)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """One build. `target`: a Target, or a name or path that find_target reads. `out`: the
+    engine directory, replaced only where it is absent, empty or an engine directory
+    (builder/output.py). Exactly one of `weights` (a safetensors checkpoint) and `seed`
+    (random weights) is given. `preset_name` overrides the target's preset. `ranks` builds a
+    part of the layout (a rank slice to benchmark on fewer GPUs; charrun refuses to serve
+    it), None every rank. `kernels=False` leaves a GPU target's kernels to be compiled when
+    charrun starts. `random_side_networks` lets a checkpoint without side networks build
+    with random ones (seeded by `seed` or 0)."""
+
+    target: Target | str
+    out: Path
+    weights: Path | None = None
+    seed: int | None = None
+    preset_name: str | None = None
+    ranks: tuple[int, ...] | None = None
+    kernels: bool = True
+    random_side_networks: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "out", Path(self.out))
+        if self.weights is not None:
+            object.__setattr__(self, "weights", Path(self.weights))
+        if self.ranks is not None:
+            object.__setattr__(self, "ranks", tuple(self.ranks))
+        if (self.weights is None) == (self.seed is None):
+            raise ValueError("give either a checkpoint or a seed for random weights")
+
+    def load_target(self) -> Target:
+        return self.target if isinstance(self.target, Target) else find_target(self.target)

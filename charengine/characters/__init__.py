@@ -1,0 +1,118 @@
+"""The characters family: the paper's DiT as we infer it (parallel blocks with AdaLN, QK
+RMS-norm, 3-D RoPE and SwiGLU; one KV cache per (block, pass) with global slots and a window
+of latent frames; a fixed four-pass schedule; its own side networks). `FAMILY` is its side of
+charengine/family.py's interface; the members import their modules when called, so naming
+the family costs nothing."""
+
+from __future__ import annotations
+
+
+class Characters:
+    name = "characters"
+
+    @property
+    def spec_type(self):
+        from .spec import ModelSpec
+
+        return ModelSpec
+
+    @property
+    def presets(self):
+        from .spec import PRESETS
+
+        return PRESETS
+
+    @property
+    def side_prefixes(self):
+        from .sidenets import PREFIXES
+
+        return PREFIXES
+
+    def param_shapes(self, spec):
+        from .weights import param_shapes
+
+        return param_shapes(spec)
+
+    def load_checkpoint(self, path, spec):
+        from .sidenets import PREFIXES
+        from .weights import load_checkpoint
+
+        return load_checkpoint(path, spec, PREFIXES)
+
+    def random_weights(self, spec, seed: int, device="cpu"):
+        from .weights import RandomWeights
+
+        return RandomWeights(spec, seed, device)
+
+    def bake_tables(self, cfg, state):
+        from .model import bake_adaln
+
+        table, final = bake_adaln(cfg, state)
+        return {"adaln_table": table, "final_table": final}
+
+    def tables_of(self, tables: dict):
+        """The model's view of the baked tables (the engine's ADALN file's tensors)."""
+        return tables["adaln_table"], tables["final_table"]
+
+    def rank_weights(self, cfg, state, mapping):
+        from .rank import rank_state
+
+        return rank_state(cfg, state, mapping.rank, keep_adaln=not cfg.switches.baked_adaln)
+
+    def rank_shape(self, cfg, rank: int):
+        """What a rank's kernels depend on: its heads and MLP channels (ranks of one shape
+        share their compiled kernels and GEMM choices)."""
+        from .spec import RankShape
+
+        shape = RankShape.of(cfg.model, cfg.tp, rank)
+        return shape.heads, shape.mlp
+
+    def rank_state(self, cfg, full_state, rank: int = 0, keep_adaln: bool = True):
+        from .rank import rank_state
+
+        return rank_state(cfg, full_state, rank, keep_adaln)
+
+    def rank_session(self, cfg, state, mapping, tables=None, gemm_plan=None, exchange=None,
+                     graphed=None, **options):
+        from .rank import rank_session
+
+        if isinstance(tables, dict):
+            tables = self.tables_of(tables)
+        return rank_session(cfg, state, mapping, tables, gemm_plan, exchange, graphed,
+                            **options)
+
+    def warm_up(self, session) -> int:
+        from .warmup import warm_up
+
+        return warm_up(session)
+
+    def gemm_problems(self, cfg, state, mapping):
+        from .ops import gemm_problems
+
+        return gemm_problems(cfg, state, mapping)
+
+    def random_side_state(self, spec, seed: int):
+        from .sidenets import random_side_state
+
+        return random_side_state(spec, seed)
+
+    def check_side(self, spec, side, where: str) -> None:
+        from .sidenets import check_side
+
+        check_side(spec, side, where)
+
+    def load_side(self, spec, side, device="cpu"):
+        from .sidenets import load_side
+
+        return load_side(spec, side, device)
+
+    def warm_up_side(self, side, spec, device) -> None:
+        from .warmup import warm_up_side
+
+        warm_up_side(side, spec, device)
+
+    def block_linear_params(self, spec) -> int:
+        return spec.block_linear_params()
+
+
+FAMILY = Characters()

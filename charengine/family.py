@@ -1,0 +1,88 @@
+"""Model families: the seam a second model plugs in at.
+
+A family is a package under `charengine/` whose `FAMILY` object has the members of `Family`
+below: its spec type and presets; its checkpoint layout and loader; the tables it bakes for
+the fixed schedule; how a TP rank's weights are cut from the full state; the one function
+that assembles a rank (model, cache and session) from a rank state, a `Mapping` and the
+engine's GEMM plan; the warm-up that runs every code path of a session; its side networks
+(audio and image encoders, decoder, text encoder). The builder and the runtime speak to a
+family only through these members, so a family is added by writing its package and naming it
+in FAMILIES; no other family's code changes. docs/ARCHITECTURE.md draws where it plugs in.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+import torch
+
+# family name -> the module holding its FAMILY
+FAMILIES = {"characters": "charengine.characters"}
+
+
+class Family(Protocol):
+    name: str
+    spec_type: type  # the frozen dataclass of the family's shapes (EngineConfig.model)
+    presets: dict[str, Any]  # preset name -> spec
+    side_prefixes: tuple[str, ...]  # checkpoint key prefixes of the side networks
+
+    def param_shapes(self, spec) -> dict[str, tuple[int, ...]]:
+        """Every full-precision DiT tensor of the checkpoint layout and its shape."""
+
+    def load_checkpoint(self, path, spec) -> tuple[dict, dict]:
+        """(DiT state, side-network state) from a checkpoint; one line naming a bad tensor."""
+
+    def random_weights(self, spec, seed: int, device) -> dict:
+        """A lazily made full state of the exact shapes (benchmarks, the tiny engines)."""
+
+    def bake_tables(self, cfg, state) -> dict[str, torch.Tensor]:
+        """The tables baked for the fixed schedule (the engine's ADALN file)."""
+
+    def rank_weights(self, cfg, state, mapping) -> dict[str, torch.Tensor]:
+        """TP rank `mapping.rank`'s engine state (FP8 weights and scales) from a full state."""
+
+    def rank_shape(self, cfg, rank: int):
+        """A hashable key of what rank `rank`'s kernels depend on (equal keys share them)."""
+
+    def rank_session(self, cfg, state, mapping, tables=None, gemm_plan=None, exchange=None,
+                     graphed: bool = False):
+        """The one assembly of a rank: its model, cache and session."""
+
+    def warm_up(self, session) -> int:
+        """Run every phase of a session once (compiles kernels, captures graphs)."""
+
+    def gemm_problems(self, cfg, state, mapping) -> dict:
+        """The GEMMs the builder's plan chooses for: linear -> (epilogue, weights, M)."""
+
+    def random_side_state(self, spec, seed: int) -> dict:
+        ...
+
+    def check_side(self, spec, side: dict, where: str) -> None:
+        ...
+
+    def load_side(self, spec, side: dict, device):
+        ...
+
+
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(sorted(FAMILIES))}")
+    return importlib.import_module(FAMILIES[name]).FAMILY
+
+
+def family_of(cfg) -> Family:
+    """The family of an EngineConfig."""
+    return family(cfg.family)
+
+
+def all_presets() -> dict[str, Any]:
+    """Every family's presets, by name."""
+    return {n: s for f in FAMILIES for n, s in family(f).presets.items()}
+
+
+def preset_spec(name: str):
+    presets = all_presets()
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(presets))}")
+    return presets[name]

@@ -1,0 +1,95 @@
+"""Timing for the benchmarks: milliseconds of a block or a call, on the GPU by a pair of CUDA
+events, on the CPU (or as wall time) by perf_counter.
+
+    median(xs) -> float                 the median of the values (statistics.median)
+    Span(device=None, wall=False)       a `with` block's milliseconds, read as `.ms` after it
+    cuda_ms(fn, reps, warmup=0, device=None) -> list[float]
+                                        fn() timed `reps` times after `warmup` untimed calls,
+                                        by CUDA events (GPU time) where the device is CUDA
+    wall_ms(fn, reps, warmup=0, device=None) -> list[float]
+                                        the same as synchronized wall time (host launches
+                                        included)
+
+`device` is a torch.device, a name ("cuda", "cpu") or None: the current CUDA device where
+CUDA is available, else the CPU. The lists hold one value per timed call, in order; a caller
+takes their median (or scales each first, e.g. to microseconds per call of a graph), or
+drops the first few itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+def _device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Span:
+    """Milliseconds of the code in a `with` block: `with Span(dev) as s: work()`, then `s.ms`.
+    On a CUDA device (wall=False) a CUDA event is recorded on the current stream before and
+    after the block and the exit waits for the second one: the GPU time between them.
+    Otherwise perf_counter around the block, the device synchronized on entry and exit."""
+
+    def __init__(self, device=None, wall: bool = False):
+        self.device = _device(device)
+        self.events = self.device.type == "cuda" and not wall
+        self.ms: float | None = None
+
+    def __enter__(self) -> "Span":
+        if self.events:
+            self._a = torch.cuda.Event(enable_timing=True)
+            self._b = torch.cuda.Event(enable_timing=True)
+            self._a.record()
+        else:
+            _sync(self.device)
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.events:
+            self._b.record()
+            self._b.synchronize()
+            self.ms = self._a.elapsed_time(self._b)
+        else:
+            _sync(self.device)
+            self.ms = 1e3 * (time.perf_counter() - self._t0)
+
+
+def _time_ms(fn, reps: int, warmup: int, device, wall: bool) -> list[float]:
+    device = _device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        with Span(device, wall) as s:
+            fn()
+        times.append(s.ms)
+    return times
+
+
+def cuda_ms(fn, reps: int, warmup: int = 0, device=None) -> list[float]:
+    """Milliseconds of each of `reps` calls of fn() after `warmup` untimed ones: GPU time
+    between CUDA events on a CUDA device, perf_counter time elsewhere."""
+    return _time_ms(fn, reps, warmup, device, wall=False)
+
+
+def wall_ms(fn, reps: int, warmup: int = 0, device=None) -> list[float]:
+    """Milliseconds of each of `reps` calls of fn() after `warmup` untimed ones, as wall time
+    with the device synchronized before and after each call (host launches included)."""
+    return _time_ms(fn, reps, warmup, device, wall=True)
