@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from charengine.characters.spec import PRESETS
-from charengine.characters.weights import CheckpointError
+from charengine.checkpoint import CheckpointError
+from charengine.family import all_presets
 
 from .build_config import REPO, BuildConfig, find_target
 
@@ -64,7 +64,7 @@ def config_of(target_name, out, weights, random_weights, seed, preset_name, rank
               help="Build from a checkpoint that holds no side networks, with random ones "
                    "(the frames are then not the model's; the summaries say so).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for --random-weights.")
-@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)),
+@click.option("--preset", "preset_name", type=click.Choice(sorted(all_presets())),
               help="Model preset, overriding the target's.")
 @click.option("--ranks", help="Build only these TP ranks (comma-separated), e.g. one rank's "
                               "slice to benchmark on one GPU; charrun does not serve it.")

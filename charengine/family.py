@@ -13,6 +13,7 @@ in FAMILIES; no other family's code changes. docs/ARCHITECTURE.md draws where it
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +22,22 @@ import torch
 FAMILIES = {"characters": "charengine.characters"}
 
 
+@dataclass(frozen=True)
+class StepShapes:
+    """The tensors a session hands between the host process and its TP ranks: the reference
+    latent and the prompt features once per session; per step, the audio features in and
+    the clean latent (the noise's shape) out."""
+
+    reference: tuple[int, ...]
+    prompt: tuple[int, ...]
+    features: tuple[int, ...]
+    latent: tuple[int, ...]
+
+
 class Family(Protocol):
+    """A family's spec has what delivery reads: `name`, `fps`, `frames_per_latent` (frames
+    per step), `out_h`, `out_w` and `side.sample_rate` (the speech rate)."""
+
     name: str
     spec_type: type  # the frozen dataclass of the family's shapes (EngineConfig.model)
     presets: dict[str, Any]  # preset name -> spec
@@ -54,6 +70,21 @@ class Family(Protocol):
 
     def gemm_problems(self, cfg, state, mapping) -> dict:
         """The GEMMs the builder's plan chooses for: linear -> (epilogue, weights, M)."""
+
+    def step_shapes(self, spec) -> StepShapes:
+        """The shapes of a session's hand-offs (runtime/distributed.py)."""
+
+    def steps_for(self, spec, n_samples: int) -> int:
+        """Steps that cover n_samples of speech."""
+
+    def step_bounds(self, spec, k: int) -> tuple[int, int]:
+        """The speech samples [a, b) step k's frames play."""
+
+    def window_samples(self, spec) -> int:
+        """Samples of the speech window the audio encoder sees for one step."""
+
+    def audio_window(self, spec, speech: torch.Tensor, k: int) -> torch.Tensor:
+        """Step k's audio encoder input from the session's speech."""
 
     def random_side_state(self, spec, seed: int) -> dict:
         ...

@@ -15,7 +15,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from charengine.characters import audio as audio_mod
 
 from .distributed import RankFailure
 from .engine import Engine, EngineError
@@ -313,7 +312,7 @@ def render_file(cfg: RunConfig, image_fit: ImageFit) -> None:
     err = Console(stderr=True)
     stop = Stop()
     worker, spec, speech, picture = open_render(cfg, image_fit, stop)
-    progress = StepProgress(spec, audio_mod.steps_for(spec, speech.numel()), stop, err)
+    progress = StepProgress(spec, worker.family.steps_for(spec, speech.numel()), stop, err)
     result = Rendered()
     try:
         with progress:

@@ -38,7 +38,6 @@ import multiprocessing as mp
 import torch
 import torch.distributed as dist
 
-from charengine.characters import audio as audio_mod
 from charengine.family import family_of
 from charengine.mapping import Mapping
 
@@ -142,7 +141,7 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                                   backend="nccl" if device.type == "cuda" else "gloo")
         mapping = mapping.with_group(tp_group)
         cfg = engine.config
-        spec = cfg.model
+        shapes = family_of(cfg).step_shapes(cfg.model)
         kernels = engine.kernel_cache().activate() if device.type == "cuda" else None
         fused = fused_exchange(cfg, mapping, engine.target.rank_devices()["tp"]) \
             if device.type == "cuda" else None
@@ -152,7 +151,6 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
             family_of(cfg).warm_up(session)  # in step with the other TP ranks: the same collectives
         store.set(_stage_key("ready", rank), "1")
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=ready_timeout_s))
-        lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
         times = []
         with torch.inference_mode():
             while True:
@@ -161,8 +159,8 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                 if cmd[0] == CMD_STOP:
                     break
                 steps, seed = int(cmd[1]), int(cmd[2])
-                ref = torch.empty(lat)
-                prompt = torch.empty(spec.prompt_tokens, spec.text_dim)
+                ref = torch.empty(shapes.reference)
+                prompt = torch.empty(shapes.prompt)
                 dist.broadcast(ref, 0)
                 dist.broadcast(prompt, 0)
                 session.start(ref.to(device), prompt.to(device))
@@ -176,10 +174,10 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                         dist.broadcast(go, 0)
                         if go[0] == 0:
                             break
-                    feats = torch.empty(spec.audio_tokens, spec.audio_dim)
+                    feats = torch.empty(shapes.features)
                     dist.broadcast(feats, 0)
                     t0 = time.monotonic()
-                    latent = session.step(torch.randn(lat, generator=g).to(device),
+                    latent = session.step(torch.randn(shapes.latent, generator=g).to(device),
                                           feats.to(device)).cpu()
                     times.append((t0, time.monotonic()))
                     if rank == 0:
@@ -402,7 +400,7 @@ class DistributedWorker:
     @torch.inference_mode()
     def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
         spec, times = self.spec, StepTimes()
-        lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
+        lat = self.family.step_shapes(spec).latent
         ref, prompt = self.pending_start
         try:
             dist.broadcast(torch.tensor([CMD_STEPS, steps, seed]), 0, group=self.control)
@@ -411,7 +409,7 @@ class DistributedWorker:
             for i in range(steps + 1):
                 if i < steps:
                     t0 = time.monotonic()
-                    window = audio_mod.step_window(spec, speech, i).to(self.decoder_device)
+                    window = self.family.audio_window(spec, speech, i).to(self.decoder_device)
                     feats = self.side.audio_encoder(window).cpu().contiguous()
                     times.audio.append((t0, time.monotonic()))
                     dist.broadcast(feats, 0)
@@ -442,9 +440,8 @@ class RemotePipeline(Pipeline):
     pipeline stops, an end flag returns the ranks to their command loop."""
 
     def __init__(self, worker: DistributedWorker, encode_audio, seed: int):
-        spec = worker.spec
         self.worker, self.seed, self.opened = worker, seed, False
-        self.lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
+        self.lat = worker.family.step_shapes(worker.spec).latent
         super().__init__(encode_audio, self._diffuse, self._decode)
 
     def _diffuse(self, i: int, feats: torch.Tensor) -> torch.Tensor:

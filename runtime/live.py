@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from charengine.characters import audio as audio_mod
 
 from .metrics import Metrics
 from .pacer import Pacer, Step
@@ -80,7 +79,8 @@ class LiveSession:
         self.worker, self.spec = worker, worker.spec
         self.metrics, self.seed, self.session_id = metrics, seed, session_id
         self.speech = SpeechBuffer()
-        self.history = torch.zeros(audio_mod.window_samples(self.spec))
+        self.family = worker.family
+        self.history = torch.zeros(self.family.window_samples(self.spec))
         self.epoch = 0  # bumped by each barge-in; steps carry the epoch they were encoded in
         self.epoch_lock = threading.Lock()
         self.pacer = Pacer(publish, self.spec.fps, self.spec.frames_per_latent, slack,
@@ -128,7 +128,7 @@ class LiveSession:
 
     # ---- pipeline side ----------------------------------------------------------------
     def _encode_audio(self, i: int):
-        a, b = audio_mod.step_bounds(self.spec, i)
+        a, b = self.family.step_bounds(self.spec, i)
         with self.epoch_lock:
             chunk, voiced, ended = self.speech.take(b - a)
             epoch = self.epoch

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 
-from charengine.characters import audio as audio_mod
 
 from .media import Mp4Writer
 from .pipeline import StepTimes
@@ -31,13 +30,13 @@ def render(worker, picture: torch.Tensor, prompt: str, speech: torch.Tensor,
     DistributedWorker. `on_step(steps_done)` is
     called after each step's frames are written. `result` (if given) is filled in as the
     session runs, so a caller that catches an exception still knows how far it got."""
-    spec = worker.spec
+    spec, family = worker.spec, worker.family
     result = result or Rendered()
-    steps = audio_mod.steps_for(spec, speech.numel())
+    steps = family.steps_for(spec, speech.numel())
     writer = Mp4Writer(out, spec.out_w, spec.out_h, spec.fps, spec.side.sample_rate)
 
     def sink(i, frames):
-        a, b = audio_mod.step_bounds(spec, i)
+        a, b = family.step_bounds(spec, i)
         chunk = speech[a:b]
         try:
             writer.write(frames, torch.nn.functional.pad(chunk, (0, (b - a) - chunk.numel())))

@@ -13,7 +13,6 @@ import time
 import torch
 
 from charengine.assemble import rank_session
-from charengine.characters import audio as audio_mod
 from charengine.family import family_of
 from charengine.mapping import Mapping
 
@@ -90,11 +89,10 @@ class Worker:
     def pipeline(self, encode_audio, seed: int = 0) -> Pipeline:
         """The three-stage pipeline over this worker's session, with rank 0's audio encoding
         given by `encode_audio(i)`."""
-        spec = self.spec
         # Noise from a seeded CPU generator, as every TP rank makes it: a seed gives the same
         # noise on any device and layout (CUDA generators' streams differ from the CPU's).
         g = torch.Generator().manual_seed(seed)
-        shape = (spec.latent_channels, spec.latent_h, spec.latent_w)
+        shape = self.family.step_shapes(self.spec).latent
 
         def diffuse(i, feats):
             noise = torch.randn(shape, generator=g).to(self.device)
@@ -109,7 +107,7 @@ class Worker:
         """Generate `steps` latents for `speech` (16 kHz mono) and hand each step's frames to
         `sink(i, frames)`."""
         def encode_audio(i):
-            w = audio_mod.step_window(self.spec, speech, i).to(self.decoder_device)
+            w = self.family.audio_window(self.spec, speech, i).to(self.decoder_device)
             return self.side.audio_encoder(w)
 
         return self.pipeline(encode_audio, seed).run(steps, sink)

@@ -163,7 +163,8 @@ def test_a_build_is_quick_to_refuse(tmp_path):
 def test_every_non_finite_tensor_is_named(tmp_path, name):
     from charengine.characters.spec import PRESETS
     from charengine.characters.sidenets import check_side
-    from charengine.characters.weights import CheckpointError, check_state
+    from charengine.characters.weights import check_state
+    from charengine.checkpoint import CheckpointError
 
     spec = PRESETS["tiny"]
     with safe_open(str(TINY), "pt") as f:

@@ -5,7 +5,8 @@ import torch
 from safetensors.torch import save_file
 
 from charengine.characters.spec import PRESETS
-from charengine.characters.weights import CheckpointError, load_checkpoint, param_shapes, random_weights
+from charengine.checkpoint import CheckpointError
+from charengine.characters.weights import load_checkpoint, param_shapes, random_weights
 
 SPEC = PRESETS["tiny"]
 

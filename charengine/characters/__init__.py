@@ -91,6 +91,33 @@ class Characters:
 
         return gemm_problems(cfg, state, mapping)
 
+    def step_shapes(self, spec):
+        from ..family import StepShapes
+
+        latent = (spec.latent_channels, spec.latent_h, spec.latent_w)
+        return StepShapes(latent, (spec.prompt_tokens, spec.text_dim),
+                          (spec.audio_tokens, spec.audio_dim), latent)
+
+    def steps_for(self, spec, n_samples: int) -> int:
+        from .audio import steps_for
+
+        return steps_for(spec, n_samples)
+
+    def step_bounds(self, spec, k: int):
+        from .audio import step_bounds
+
+        return step_bounds(spec, k)
+
+    def window_samples(self, spec) -> int:
+        from .audio import window_samples
+
+        return window_samples(spec)
+
+    def audio_window(self, spec, speech, k: int):
+        from .audio import step_window
+
+        return step_window(spec, speech, k)
+
     def random_side_state(self, spec, seed: int):
         from .sidenets import random_side_state
 

@@ -31,7 +31,7 @@ def side_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 def check_side(spec: ModelSpec, state: dict[str, torch.Tensor], where: str) -> None:
     """A checkpoint's side networks, checked like its block tensors: names, shapes, dtypes
     and finite values, one line naming the first tensor that is wrong."""
-    from .weights import check_tensors
+    from ..checkpoint import check_tensors
 
     check_tensors(side_shapes(spec), state, where, f"{spec.name}'s side networks")
 

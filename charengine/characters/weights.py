@@ -24,16 +24,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .. import fp8
+from ..checkpoint import check_tensors, read_safetensors
 from .spec import ModelSpec, RankShape
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 def param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -100,33 +95,6 @@ class RandomWeights(Mapping):
         return len(self.shapes)
 
 
-def check_tensors(want: dict[str, tuple[int, ...]], state: Mapping, where: str, what: str,
-                  dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
-    """Names, shapes, dtypes and finite values of `state` against `want`; the first mismatch
-    is one CheckpointError line naming the tensor (`what` names the layout in messages)."""
-    missing = [n for n in want if n not in state]
-    if missing:
-        raise CheckpointError(f"{where}: missing tensor {missing[0]!r} (shape {list(want[missing[0]])}"
-                              f" for {what}){f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
-    extra = sorted(set(state) - set(want))
-    if extra:
-        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r}: not part of {what}'s layout")
-    names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-    for name, shape in want.items():
-        t = state[name]
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{where}: tensor {name!r} has shape {list(t.shape)}, "
-                                  f"{what} needs {list(shape)}")
-        if t.dtype not in dtypes:
-            raise CheckpointError(f"{where}: tensor {name!r} has dtype {t.dtype}, expected one of "
-                                  f"{names}")
-        bad = int(t.numel() - torch.isfinite(t).sum())
-        if bad:
-            raise CheckpointError(f"{where}: tensor {name!r} holds {bad} non-finite value"
-                                  f"{'s' if bad > 1 else ''} (NaN or infinity); the checkpoint "
-                                  "is damaged or was saved from a diverged run")
-
-
 def check_state(spec: ModelSpec, state: dict[str, torch.Tensor], where: str) -> None:
     check_tensors(param_shapes(spec), state, where, spec.name)
 
@@ -135,13 +103,7 @@ def load_checkpoint(path: str | Path, spec: ModelSpec, side_prefixes: tuple[str,
     """Read and check a safetensors checkpoint against `spec`. Tensors under `side_prefixes`
     (the side networks) are returned apart: (model state, side state)."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            state = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error types for a damaged header
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    state = read_safetensors(path)
     side = {k: state.pop(k) for k in list(state) if k.startswith(side_prefixes)}
     check_state(spec, state, str(path))
     return state, side
