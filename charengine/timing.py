@@ -3,6 +3,9 @@ events, on the CPU (or as wall time) by perf_counter.
 
     median(xs) -> float                 the median of the values (statistics.median)
     Span(device=None, wall=False)       a `with` block's milliseconds, read as `.ms` after it
+    Mark(fn, device=None)               fn() run and its start and end recorded without waiting
+                                        for the device (a step loop stays asynchronous); read
+                                        `.ms` and `.since(earlier)` once the device is synced
     cuda_ms(fn, reps, warmup=0, device=None) -> list[float]
                                         fn() timed `reps` times after `warmup` untimed calls,
                                         by CUDA events (GPU time) where the device is CUDA
@@ -68,6 +71,35 @@ class Span:
         else:
             _sync(self.device)
             self.ms = 1e3 * (time.perf_counter() - self._t0)
+
+
+class Mark:
+    """fn() run, its start and end recorded without waiting: CUDA events on a CUDA device
+    (read them after the device is synchronized), perf_counter times elsewhere."""
+
+    def __init__(self, fn, device=None):
+        self.events = _device(device).type == "cuda"
+        if self.events:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+            fn()
+            self.end.record()
+        else:
+            self.start = time.perf_counter()
+            fn()
+            self.end = time.perf_counter()
+
+    @property
+    def ms(self) -> float:
+        """fn()'s milliseconds."""
+        return self.start.elapsed_time(self.end) if self.events \
+            else 1e3 * (self.end - self.start)
+
+    def since(self, earlier: "Mark") -> float:
+        """Milliseconds from `earlier`'s end to this one's (a step period)."""
+        return earlier.end.elapsed_time(self.end) if self.events \
+            else 1e3 * (self.end - earlier.end)
 
 
 def _time_ms(fn, reps: int, warmup: int, device, wall: bool) -> list[float]:

@@ -38,6 +38,7 @@ from charengine.characters.weights import random_rank_state
 from charengine.config import EngineConfig, Numerics, Switches, preset
 from charengine.engine_format import this_machine
 from charengine.mapping import Mapping
+from charengine.timing import Mark
 from charengine.plugins import gemm
 from charengine.plugins.attention import AttentionTiles
 
@@ -135,23 +136,6 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def timed(device, fn):
-    if device.type == "cuda":
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        return a, b
-    t0 = time.perf_counter()
-    fn()
-    return t0, time.perf_counter()
-
-
-def elapsed_ms(device, pair) -> float:
-    a, b = pair
-    return a.elapsed_time(b) if device.type == "cuda" else 1e3 * (b - a)
-
-
 def floors(model: CharacterDiT, cache: KVCache, device, plan: dict, reps: int = 5) -> dict:
     """The step's FP8 GEMMs alone (its own weights, pre-quantized activations, the same
     kernels) and its attention alone (the same kernel, FP8 or the bf16 SDPA backend, over
@@ -199,17 +183,17 @@ def floors(model: CharacterDiT, cache: KVCache, device, plan: dict, reps: int = 
             with torch.cuda.graph(graph):
                 fn()
             graph.replay()
-            pairs = [timed(device, graph.replay) for _ in range(reps)]
+            marks = [Mark(graph.replay, device) for _ in range(reps)]
             torch.cuda.synchronize()
-            times = [elapsed_ms(device, p) for p in pairs]
         else:
-            times = [elapsed_ms(device, timed(device, fn)) for _ in range(reps)]
+            marks = [Mark(fn, device) for _ in range(reps)]
+        times = [m.ms for m in marks]
         out[f"{name}_ms"] = statistics.median(times)
     return out
 
 
 def attribute(prof, device) -> tuple[dict, dict]:
-    """Device time (us) and kernel count per component. On the GPU each kernel goes to the innermost labelled
+    """GPU time (us) and kernel count per component. On the GPU each kernel goes to the innermost labelled
     range around the host call that launched it (matched by correlation id), so kernels
     launched outside aten (Triton) count too, and the gaps between kernels do not. On the
     CPU, each op's self time goes to the innermost label around it."""
@@ -256,7 +240,7 @@ def attribute(prof, device) -> tuple[dict, dict]:
 
 
 def profile_components(session: Session, steps: int, inputs, device) -> tuple[dict, dict]:
-    """Eager steps under torch.profiler with the model's regions labelled; device time per
+    """Eager steps under torch.profiler with the model's regions labelled; GPU time per
     step for each component, the rest as "other"; and (on the GPU) the kernels launched per
     step for each."""
     from torch.profiler import ProfilerActivity, profile
@@ -294,7 +278,7 @@ def kernel_kind(name: str) -> str:
 
 
 def profile_graphed(session: Session, steps: int, inputs) -> dict:
-    """Graph-replayed steps under torch.profiler: per step, the device time of each kind of
+    """Graph-replayed steps under torch.profiler: per step, the GPU time of each kind of
     kernel (by name) at the clock the step really runs at, and the idle time between kernels,
     charged to the kernel that follows the gap (what each kernel boundary costs)."""
     from torch.profiler import ProfilerActivity, profile
@@ -452,18 +436,14 @@ def main():
                 sync_checked = True
             x = inputs()
             h0 = time.perf_counter()
-            marks.append(timed(device, lambda: session.step(*x)))
+            marks.append(Mark(lambda: session.step(*x), device))
             host.append(time.perf_counter() - h0)
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize()
             clocks.__exit__(None, None, None)
-        diffusion = [elapsed_ms(device, p) for p in marks]
-        if device.type == "cuda":
-            period = [marks[k - 1][1].elapsed_time(marks[k][1]) for k in range(1, len(marks))]
-        else:
-            period = [1e3 * (marks[k][1] - marks[k - 1][1]) for k in range(1, len(marks))]
-        period = [diffusion[0]] + period
+        diffusion = [m.ms for m in marks]
+        period = [diffusion[0]] + [marks[k].since(marks[k - 1]) for k in range(1, len(marks))]
         comps, kernels = profile_components(session, args.profile_steps, inputs, device) \
             if args.profile_steps else ({}, {})
         graphed_profile = profile_graphed(session, args.profile_graph_steps, inputs) \
