@@ -191,9 +191,13 @@ class InProj:
 
     def __call__(self, x, w_q, w_s):
         y = self.linear(x, w_q, w_s)
-        T, A = y.shape[0], self.A
+        A = self.A
         q, k, v, g, u = y.split([A, A, A, self.M, self.M], -1)
-        return (*(t.reshape(T, self.H, self.D).transpose(0, 1) for t in (q, k, v)), (g, u))
+        return (*self.heads(q, k, v), (g, u))
+
+    def heads(self, *ts):
+        """[T, A] projections as [H, T, D] strided views."""
+        return tuple(t.reshape(t.shape[0], self.H, self.D).transpose(0, 1) for t in ts)
 
 
 class SwiGLUInProj(InProj):
@@ -210,10 +214,8 @@ class SwiGLUInProj(InProj):
         aq, a_s = x
         with self.labels("fp8_gemm"):
             y, y_mlp, y_amax = self.gemm(aq, a_s, w_q, w_s, self.dtype, self.fast, 3 * self.A)
-        T, A = y.shape[0], self.A
-        q, k, v = y.split([A, A, A], dim=-1)
-        return (*(t.reshape(T, self.H, self.D).transpose(0, 1) for t in (q, k, v)),
-                (y_mlp, y_amax))
+        A = self.A
+        return (*self.heads(*y.split([A, A, A], dim=-1)), (y_mlp, y_amax))
 
 
 # ---- pre-attention and attention ----------------------------------------------------------
@@ -361,6 +363,7 @@ class BlockOps:
         spec, sw, num = cfg.model, cfg.switches, cfg.numerics
         device, plan = torch.device(device), gemm_plan or {}
         dtype, eps = getattr(torch, num.dtype), spec.norm_eps
+        exchange = exchange if sw.fused_gemm_allreduce else None
         self.labels = labels = Labels()
         self.epilogues = epi = epilogues(cfg)
         act = self.act = act_quant.select() if sw.fused_act_quant else act_quant.plain()
@@ -373,8 +376,7 @@ class BlockOps:
             self.norm_in = norm(add, act, eps, labels)
             linear = {k: Fp8Linear(dtype, num.fast_accum_for(k),
                                    gemm.select(plan[k]) if k in plan and epi[k] == "plain"
-                                   else None, spec.tokens_per_frame,
-                                   exchange if sw.fused_gemm_allreduce else None, labels)
+                                   else None, spec.tokens_per_frame, exchange, labels)
                       for k in LINEARS}
         if epi["w_in"] == "swiglu":
             self.in_proj = SwiGLUInProj(gemm.select(plan.get("w_in"), "swiglu", device), dtype,
@@ -401,8 +403,7 @@ class BlockOps:
         self.plain_out = OutProj(out_input, linear["w_out"], all_reduce)
         if residual_gemm is not None:
             self.out_proj = ResidualOutProj(
-                out_input, linear["w_out"], all_reduce, residual_gemm,
-                exchange if sw.fused_gemm_allreduce else None,
+                out_input, linear["w_out"], all_reduce, residual_gemm, exchange,
                 all_reduce is identity or shape.rank == 0, dtype, num.fast_accum_for("w_out"),
                 labels)
         else:
