@@ -73,9 +73,9 @@ def triton_act_quant(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, 
 
 def triton_norm_modulate_quant(h, shift, scale, eps, warps: int | None = None):
     """The kernel; arguments and result as `norm_modulate_reference`. One program per token
-    holds its whole row in registers; `warps` default: one per 1,024 lanes, at most 8 (at
-    d = 7,680, 8 warps: 10.1 us against 10.5 at 16, and 14.2 against 15.9 with the residual;
-    scripts/bench_kernels.py --only act)."""
+    holds its whole row in registers; `warps` default: one per 1,024 lanes, at most 8 (the
+    faster at d = 7,680, with and without the residual: scripts/bench_kernels.py --only act,
+    docs/PERFORMANCE.md, "Kernels alone")."""
     return _norm_modulate(h, None, None, shift, scale, eps, warps)[:2]
 
 
@@ -158,9 +158,9 @@ def triton_concat_quant(attn, attn_amax, y, y_amax, chunk: int = 2048, warps: in
     """The kernel; arguments and result as `concat_quant_reference` (attn_amax may be any
     strided [T, P] view: the attention kernel's is [heads, T] transposed). A program per
     (token, chunk of `chunk` columns): the maxima come in, so no program waits on a row
-    reduction (2,048 columns, 2 warps: 9.7 us at the TP-3 rank slice, against 16.4 for
-    SwiGLU + quantization from the input projection's gate and up; 11.0-11.2 without
-    attn_amax; scripts/bench_kernels.py --only epilogues)."""
+    reduction (2,048 columns, 2 warps; faster at the TP-3 rank slice than SwiGLU +
+    quantization from the input projection's gate and up, and than without attn_amax:
+    scripts/bench_kernels.py --only epilogues, docs/PERFORMANCE.md)."""
     import triton
 
     T, A = attn.shape

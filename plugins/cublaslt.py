@@ -1,7 +1,7 @@
 """cuBLASLt's FP8 matmul through its C API (ctypes, on the library torch has loaded): the
 kernel `torch._scaled_mm` runs, with the rowwise (outer-vector) scales it uses, plus what
 `_scaled_mm` does not expose: a C matrix added in the epilogue, D = (A B) + C, at no measured
-cost (scripts/bench_gemm_modes.py: 132.3 against 132.6 us at the output projection).
+cost at the output projection (scripts/bench_gemm_modes.py, docs/PERFORMANCE.md).
 
 Row-major D [M, N] = (a [M, K] * sa [M]) (w [N, K] * sw [N])^T (+ C [M, N]) is cuBLASLt's
 column-major D^T = op(W) A^T: its "A" is the weight (transposed), its "B" the activations.
