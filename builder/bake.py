@@ -50,7 +50,8 @@ def compile_exchange(cfg, state: dict) -> None:
     from charengine.plugins import gemm_allreduce as gar
 
     spec = cfg.model
-    if not (cfg.tp > 1 and cfg.switches.fused_gemm_allreduce and cfg.numerics.fp8_gemm):
+    fused = getattr(cfg.switches, "fused_gemm_allreduce", False)  # a family may have none
+    if not (cfg.tp > 1 and fused and cfg.numerics.fp8_gemm):
         return
     w_q, w_s = state["blocks.0.w_out.q"], state["blocks.0.w_out.scale"]
     a_q, a_s = fp8.quantize_rows(torch.randn(spec.tokens_per_frame, w_q.shape[1],

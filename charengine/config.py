@@ -1,5 +1,5 @@
-"""Configuration: schedule, cache geometry, switches, numerics, and the engine config that
-holds them with a model family's spec.
+"""Configuration: the characters family's schedule, cache geometry and switches, the numerics,
+and the engine config that holds a family's spec with its own kinds of these.
 
 One frozen `EngineConfig` describes what a step computes and which optimizations are on. A
 family's spec and presets are its own (charengine/family.py: `characters.spec.PRESETS`);
@@ -154,43 +154,27 @@ class Numerics:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """What a step computes: the family's spec (`model`), its cache geometry, schedule and
+    switches (each of the family's own types, charengine/family.py `config_types`; None
+    takes the family's defaults), the numerics and the TP degree."""
+
     model: Any  # a model family's spec (charengine/family.py), e.g. characters.spec.ModelSpec
-    cache: CacheSpec = field(default_factory=CacheSpec)
-    schedule: Schedule = field(default_factory=Schedule)
-    switches: Switches = field(default_factory=Switches)
+    cache: Any = None  # the family's cache geometry (characters: CacheSpec)
+    schedule: Any = None  # the family's fixed schedule (characters: Schedule)
+    switches: Any = None  # the family's optimization switches (characters: Switches)
     numerics: Numerics = field(default_factory=Numerics)
     tp: int = 1
 
-    NESTED = {"cache": CacheSpec, "schedule": Schedule, "switches": Switches,
-              "numerics": Numerics}  # fields read back as dataclasses (not a field)
+    NESTED = {"numerics": Numerics}  # fields read back as dataclasses (not a field)
 
     def __post_init__(self):
-        s, c = self.switches, self.cache
-        if s.ring_cache and not s.rope_at_write:
-            raise ValueError(
-                "ring_cache=True needs rope_at_write=True: re-applying RoPE at read in slot order "
-                "permutes the temporal positions of cached frames once the ring wraps "
-                "(paper §4.1). Turn rope_at_write on or ring_cache off.")
-        if s.rope_at_write != s.delta_rotation:
-            raise ValueError(
-                "rope_at_write and delta_rotation go together: keys cached after RoPE need the "
-                "delta rotation at each reset, and without RoPE at write there is nothing to "
-                f"rotate. Set both to {s.rope_at_write or s.delta_rotation}.")
-        if s.fused_pre_attention and not s.rope_at_write:
-            raise ValueError(
-                "fused_pre_attention=True applies RoPE to keys at write: it needs "
-                "rope_at_write=True (or set fused_pre_attention=False).")
-        if s.fp8_kv and not self.numerics.fp8_attention:
-            raise ValueError(
-                "fp8_kv=True stores K/V for FP8 attention: set numerics.fp8_attention=True, "
-                "or fp8_kv=False for a bf16 cache.")
-        if c.window > c.reset_period:
-            raise ValueError(
-                f"cache.window {c.window} is longer than cache.reset_period {c.reset_period}: a "
-                "key would be delta-rotated twice. Use a window <= the reset period.")
-        if c.calibration_steps < 1:
-            raise ValueError("cache.calibration_steps must be at least 1")
-        self.model.check_tp(self.tp)
+        from .family import family
+
+        fam = family(self.family)
+        for name, typ in fam.config_types.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, typ())
+        fam.check_config(self)
 
     @property
     def family(self) -> str:
@@ -199,6 +183,36 @@ class EngineConfig:
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
+
+
+def check_characters(cfg: EngineConfig) -> None:
+    """The characters family's invalid combinations, each one line saying what to change."""
+    s, c = cfg.switches, cfg.cache
+    if s.ring_cache and not s.rope_at_write:
+        raise ValueError(
+            "ring_cache=True needs rope_at_write=True: re-applying RoPE at read in slot order "
+            "permutes the temporal positions of cached frames once the ring wraps "
+            "(paper §4.1). Turn rope_at_write on or ring_cache off.")
+    if s.rope_at_write != s.delta_rotation:
+        raise ValueError(
+            "rope_at_write and delta_rotation go together: keys cached after RoPE need the "
+            "delta rotation at each reset, and without RoPE at write there is nothing to "
+            f"rotate. Set both to {s.rope_at_write or s.delta_rotation}.")
+    if s.fused_pre_attention and not s.rope_at_write:
+        raise ValueError(
+            "fused_pre_attention=True applies RoPE to keys at write: it needs "
+            "rope_at_write=True (or set fused_pre_attention=False).")
+    if s.fp8_kv and not cfg.numerics.fp8_attention:
+        raise ValueError(
+            "fp8_kv=True stores K/V for FP8 attention: set numerics.fp8_attention=True, "
+            "or fp8_kv=False for a bf16 cache.")
+    if c.window > c.reset_period:
+        raise ValueError(
+            f"cache.window {c.window} is longer than cache.reset_period {c.reset_period}: a "
+            "key would be delta-rotated twice. Use a window <= the reset period.")
+    if c.calibration_steps < 1:
+        raise ValueError("cache.calibration_steps must be at least 1")
+    cfg.model.check_tp(cfg.tp)
 
 
 def preset(name: str, **kw) -> EngineConfig:
@@ -272,5 +286,6 @@ def config_from_dict(d: dict) -> EngineConfig:
     d = dict(d)
     name = d.pop("family", "characters")
     check_field_type("config.family", "str", name)
-    return from_dict_checked(EngineConfig, d, nested={**EngineConfig.NESTED,
-                                                      "model": family(name).spec_type})
+    fam = family(name)
+    return from_dict_checked(EngineConfig, d, nested={**EngineConfig.NESTED, **fam.config_types,
+                                                      "model": fam.spec_type})

@@ -19,19 +19,37 @@ from typing import Any, Protocol
 import torch
 
 # family name -> the module holding its FAMILY
-FAMILIES = {"characters": "charengine.characters"}
+FAMILIES = {"characters": "charengine.characters", "livetalk": "charengine.livetalk"}
 
 
 @dataclass(frozen=True)
 class StepShapes:
     """The tensors a session hands between the host process and its TP ranks: the reference
-    latent and the prompt features once per session; per step, the audio features in and
-    the clean latent (the noise's shape) out."""
+    latent and the prompt features once per session; per step, the audio features and the
+    step's noise in and the clean latent out (`noise` None: the latent's shape)."""
 
     reference: tuple[int, ...]
     prompt: tuple[int, ...]
     features: tuple[int, ...]
     latent: tuple[int, ...]
+    noise: tuple[int, ...] | None = None
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        return self.latent if self.noise is None else self.noise
+
+
+@dataclass
+class GemmProblem:
+    """What charbuild times for one kind of block linear (a family's `gemm_problems`): its
+    epilogue, every block's weights, the steady M, and the epilogue's extra input (the
+    SwiGLU split, the residual)."""
+
+    epilogue: str
+    weights: list
+    m: int
+    split: int = 0
+    residual: torch.Tensor | None = None
 
 
 class Family(Protocol):
@@ -42,6 +60,25 @@ class Family(Protocol):
     spec_type: type  # the frozen dataclass of the family's shapes (EngineConfig.model)
     presets: dict[str, Any]  # preset name -> spec
     side_prefixes: tuple[str, ...]  # checkpoint key prefixes of the side networks
+    # EngineConfig field -> the family's dataclass for it ("cache", "schedule", "switches")
+    config_types: dict[str, type]
+
+    side_files_hint: str  # how a checkpoint without side networks gets them (a message)
+
+    def load_side_files(self, spec, files: dict, seed: int) -> dict:
+        """The side state from the side networks' own files (BuildConfig.side_files)."""
+
+    def check_config(self, cfg) -> None:
+        """Invalid combinations of an EngineConfig of this family, one line each."""
+
+    def step_frames(self, spec, k: int) -> int:
+        """Video frames step k gives (the decoder's output for its latent)."""
+
+    def encode_audio(self, side, spec, window: torch.Tensor, k: int) -> torch.Tensor:
+        """Step k's audio features from its encoder window (`audio_window`'s shape)."""
+
+    def lookahead_samples(self, spec) -> int:
+        """Speech after a step's last frame that its audio window needs (live latency)."""
 
     def param_shapes(self, spec) -> dict[str, tuple[int, ...]]:
         """Every full-precision DiT tensor of the checkpoint layout and its shape."""

@@ -8,8 +8,9 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from .config import EngineConfig, Numerics, Switches, check_field_type, from_dict_checked, preset
+from .config import EngineConfig, Numerics, check_field_type, from_dict_checked, preset
 from .mapping import Mapping
 
 DECODER_PLACEMENTS = ("own-gpu", "shared")
@@ -24,9 +25,12 @@ class Target:
     decoder: str  # "own-gpu": rank 0 decodes on GPU 0, TP ranks on 1..tp; "shared": one device
     gpu: str | None = None  # e.g. "H100"; informative, the arch is what must match
     gpu_arch: str | None = None  # e.g. "sm_90"
-    switches: Switches = field(default_factory=Switches)
+    switches: Any = None  # the preset family's switches (None: its defaults)
     numerics: Numerics = field(default_factory=Numerics)
     description: str = ""
+    # the diffusion ranks in processes of their own beside the host process (audio, decoder,
+    # pacing) at any TP degree; a TP layout always has them
+    rank_processes: bool = False
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -35,6 +39,15 @@ class Target:
             raise ValueError(f"target {self.name}: decoder must be one of {DECODER_PLACEMENTS}")
         if self.device == "cuda" and not self.gpu_arch:
             raise ValueError(f"target {self.name}: a cuda target names its gpu_arch (e.g. sm_90)")
+        if self.switches is None:
+            object.__setattr__(self, "switches", self.family.config_types["switches"]())
+
+    @property
+    def family(self):
+        """The model family of the target's preset."""
+        from .family import family, preset_spec
+
+        return family(preset_spec(self.preset).FAMILY)
 
     @property
     def gpus(self) -> int:
@@ -54,7 +67,7 @@ class Target:
         host process runs beside the TP ranks (every TP layout; TP-1 runs in one process)."""
         devices = self.rank_devices()
         return Mapping(self.tp, rank, devices["tp"][rank], devices["decoder"],
-                       host_process=self.tp > 1)
+                       host_process=self.tp > 1 or self.rank_processes)
 
     def config(self, preset_name: str | None = None) -> EngineConfig:
         return preset(preset_name or self.preset, switches=self.switches,
@@ -69,7 +82,14 @@ class Target:
             raise TypeError(f"target: expected an object, got {type(d).__name__}")
         d = dict(d)
         where = f"target {d.get('name', '?')}"
-        sw = from_dict_checked(Switches, d.pop("switches", {}), f"{where}: switches")
+        from .family import family, preset_spec
+
+        try:
+            fam = family(preset_spec(str(d.get("preset"))).FAMILY)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        sw = from_dict_checked(fam.config_types["switches"], d.pop("switches", None) or {},
+                               f"{where}: switches")
         nm = from_dict_checked(Numerics, d.pop("numerics", {}), f"{where}: numerics")
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - set(known))

@@ -23,6 +23,34 @@ class Characters:
         return PRESETS
 
     @property
+    def config_types(self):
+        from ..config import CacheSpec, Schedule, Switches
+
+        return {"cache": CacheSpec, "schedule": Schedule, "switches": Switches}
+
+    def check_config(self, cfg) -> None:
+        from ..config import check_characters
+
+        check_characters(cfg)
+
+    side_files_hint = ""
+
+    def load_side_files(self, spec, files: dict, seed: int):
+        from ..checkpoint import CheckpointError
+
+        raise CheckpointError(f"{spec.name} takes its side networks from its checkpoint; "
+                              f"{', '.join(sorted(files))} are LiveTalk's files")
+
+    def step_frames(self, spec, k: int) -> int:
+        return spec.frames_per_latent
+
+    def encode_audio(self, side, spec, window, k: int):
+        return side.audio_encoder(window)
+
+    def lookahead_samples(self, spec) -> int:
+        return 0
+
+    @property
     def side_prefixes(self):
         from .sidenets import PREFIXES
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import fp8
+from ..family import GemmProblem
 from ..mapping import identity
 from ..ops import gated_residual, gated_residual_once, modulate, rms_norm_heads, swiglu
 from ..rope import rotate
@@ -44,18 +45,6 @@ def epilogues(cfg) -> dict[str, str]:
     return {"w_in": "swiglu" if sw.gemm_swiglu and fp8_gemm else "plain",
             "w_out": "residual" if sw.gemm_residual and fp8_gemm and sw.baked_adaln
             else "plain"}
-
-
-@dataclass
-class GemmProblem:
-    """What charbuild times for one block linear: its epilogue, every block's weights, the
-    steady M, and the epilogue's extra input (the SwiGLU split, the residual)."""
-
-    epilogue: str
-    weights: list
-    m: int
-    split: int = 0
-    residual: torch.Tensor | None = None
 
 
 def gemm_problems(cfg, state: dict, mapping) -> dict[str, GemmProblem]:
