@@ -1,0 +1,180 @@
+"""The LiveTalk family: LiveTalk-1.3B (Wan 2.1 T2V-1.3B with OmniAvatar's audio
+conditioning, distilled to four passes per block-causal chunk) and its side networks (the
+Wan 2.1 VAE, wav2vec2-base, umT5 prompt features). `FAMILY` is its side of
+charengine/family.py's interface; the members import their modules when called, so naming
+the family costs nothing."""
+
+from __future__ import annotations
+
+
+class LiveTalk:
+    name = "livetalk"
+
+    @property
+    def spec_type(self):
+        from .spec import LiveTalkSpec
+
+        return LiveTalkSpec
+
+    @property
+    def presets(self):
+        from .spec import PRESETS
+
+        return PRESETS
+
+    @property
+    def config_types(self):
+        from .spec import LiveTalkCache, LiveTalkSchedule, LiveTalkSwitches
+
+        return {"cache": LiveTalkCache, "schedule": LiveTalkSchedule,
+                "switches": LiveTalkSwitches}
+
+    def check_config(self, cfg) -> None:
+        if cfg.switches.fp8_kv and not cfg.numerics.fp8_attention:
+            raise ValueError("fp8_kv=True stores K/V for FP8 attention: set "
+                             "numerics.fp8_attention=True, or fp8_kv=False for a bf16 cache.")
+        if cfg.switches.position_reset and not cfg.switches.ring_cache and \
+                cfg.cache.reset_period < cfg.model.window_chunks - 1:
+            raise ValueError("cache.reset_period is shorter than the window: a key would be "
+                             "rotated twice")
+        cfg.model.check_tp(cfg.tp)
+
+    @property
+    def side_prefixes(self):
+        from .sidenets import PREFIXES
+
+        return PREFIXES
+
+    side_files_hint = " (LiveTalk's come from --vae, --wav2vec and --prompt-features or " \
+        "--text-encoder)"
+
+    def load_side_files(self, spec, files: dict, seed: int):
+        from pathlib import Path
+
+        from .sidenets import load_side_files
+
+        path = {k: Path(v) for k, v in files.items() if k != "prompt"}
+        return load_side_files(spec, path.get("vae"), path.get("wav2vec"),
+                               path.get("prompt_features"), path.get("text_encoder"),
+                               files.get("prompt", ""), seed)
+
+    def param_shapes(self, spec):
+        from .weights import param_shapes
+
+        return param_shapes(spec)
+
+    def load_checkpoint(self, path, spec):
+        """(DiT state, {}): LiveTalk's side networks come from their own files
+        (load_side_files)."""
+        from .weights import load_checkpoint
+
+        return load_checkpoint(path, spec), {}
+
+    def random_weights(self, spec, seed: int, device="cpu"):
+        from .weights import random_weights
+
+        return random_weights(spec, seed)
+
+    def bake_tables(self, cfg, state):
+        from .rank import bake_tables
+
+        return bake_tables(cfg, state)
+
+    def tables_of(self, tables: dict):
+        return tables
+
+    def rank_weights(self, cfg, state, mapping):
+        return self.rank_state(cfg, state, mapping.rank)
+
+    def rank_shape(self, cfg, rank: int):
+        return (cfg.model.n_heads, cfg.model.ffn_dim)
+
+    def rank_state(self, cfg, full_state, rank: int = 0, keep_adaln: bool = True):
+        import torch
+
+        from .weights import rank_weights
+
+        return rank_weights(cfg.model, full_state, cfg.numerics.fp8_gemm,
+                            getattr(torch, cfg.numerics.dtype))
+
+    def rank_session(self, cfg, state, mapping, tables=None, gemm_plan=None, exchange=None,
+                     graphed=None, **options):
+        from .rank import rank_session
+
+        return rank_session(cfg, state, mapping, tables, gemm_plan, graphed, **options)
+
+    def warm_up(self, session) -> int:
+        from .warmup import warm_up
+
+        return warm_up(session)
+
+    def gemm_problems(self, cfg, state, mapping):
+        from .rank import gemm_problems
+
+        return gemm_problems(cfg, state, mapping)
+
+    def step_shapes(self, spec):
+        from ..family import StepShapes
+
+        latent = (spec.latent_channels, spec.chunk_frames, spec.latent_h, spec.latent_w)
+        return StepShapes((spec.latent_channels, spec.latent_h, spec.latent_w),
+                          (spec.prompt_tokens, spec.text_dim), (spec.audio_rows, spec.audio_dim),
+                          latent, noise=(4,) + latent)
+
+    def step_frames(self, spec, k: int) -> int:
+        return spec.first_step_frames if k == 0 else spec.frames_per_latent
+
+    def steps_for(self, spec, n_samples: int) -> int:
+        from .audio import steps_for
+
+        return steps_for(spec.audio, n_samples)
+
+    def step_bounds(self, spec, k: int):
+        from .audio import chunk_samples
+
+        return chunk_samples(spec.audio, k)
+
+    def window_samples(self, spec) -> int:
+        from .audio import window_samples
+
+        return window_samples(spec.audio)
+
+    def audio_window(self, spec, speech, k: int):
+        from .audio import chunk_window
+
+        return chunk_window(spec.audio, speech, k)
+
+    def encode_audio(self, side, spec, window, k: int):
+        from .audio import chunk_features
+
+        return chunk_features(spec.audio, side.audio_encoder, window, k)
+
+    def lookahead_samples(self, spec) -> int:
+        a = spec.audio
+        return a.lookahead_frames * a.sample_rate // a.fps
+
+    def random_side_state(self, spec, seed: int):
+        from .sidenets import random_side_state
+
+        return random_side_state(spec, seed)
+
+    def check_side(self, spec, side, where: str) -> None:
+        from .sidenets import check_side
+
+        check_side(spec, side, where)
+
+    def load_side(self, spec, side, device="cpu"):
+        from .sidenets import load_side
+
+        return load_side(spec, side, device)
+
+    def warm_up_side(self, side, spec, device) -> None:
+        from .warmup import warm_up_side
+
+        warm_up_side(side, spec, device)
+
+    def block_linear_params(self, spec) -> int:
+        return spec.block_linear_params()
+
+
+FAMILY = LiveTalk()

@@ -1,0 +1,144 @@
+"""The per-block KV caches of a LiveTalk session: sink slots (the first chunks, kept for the
+session) then a window of the last chunks, for every block; the prompt's cross-attention
+K/V; and where the current chunk writes and at which positions.
+
+Plain path (ring_cache off): as upstream, the window slides by copying its chunks left and
+the current chunk writes after them; write offsets and positions come from the host's chunk
+count. Ring path: the window's chunks are a ring, the write offset and the positions derive
+on the device from the cache's chunk counter, so a chunk's work replays from a CUDA graph.
+
+Positions (position_reset on): a window chunk sits one chunk after the previous, starting
+right after the sink; every cache.reset_period chunks the cached window keys are rotated
+back by that many chunks (the delta rotation), so positions stay bounded. Off: chunk c's
+frames sit at c * chunk_frames, as upstream (unbounded).
+
+FP8 KV (fp8_kv): the first cache.calibration_chunks chunks write the bf16 cache; then the
+per-(block, head) scales are set from its |max| (with cache.scale_margin), the cache is
+quantized once, and later chunks write and read FP8."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import fp8
+from .rope import ChunkRope, rotate_temporal
+
+
+class ChunkCache:
+    def __init__(self, cfg, device, dtype):
+        spec, sw = cfg.model, cfg.switches
+        self.cfg, self.spec = cfg, spec
+        self.device, self.dtype = torch.device(device), dtype
+        self.F, self.ct = spec.chunk_frames, spec.chunk_tokens
+        self.S, self.W, self.R = spec.sink_chunks, spec.window_chunks, cfg.cache.reset_period
+        self.sink_slots = spec.sink_frames * spec.frame_tokens
+        self.slots = spec.cache_frames * spec.frame_tokens
+        self.ring, self.reset_on, self.fp8_kv = sw.ring_cache, sw.position_reset, sw.fp8_kv
+        shape = (spec.n_blocks, spec.n_heads, self.slots, spec.head_dim)
+        dev = self.device
+        self.k = torch.zeros(shape, dtype=dtype, device=dev)
+        self.v = torch.zeros(shape, dtype=dtype, device=dev)
+        if self.fp8_kv:
+            self.k8 = torch.zeros(shape, dtype=fp8.FP8, device=dev)
+            self.v8 = torch.zeros(shape, dtype=fp8.FP8, device=dev)
+            self.scale = torch.ones(spec.n_blocks, 2, spec.n_heads, 1, 1, device=dev)
+        self.quantized = False  # host: the FP8 cache is in use (after calibration)
+        self.chunk = torch.zeros((), dtype=torch.long, device=dev)  # chunks committed
+        self.lanes = torch.arange(self.ct, device=dev)
+        self.frames = torch.arange(self.F, device=dev)
+        self.write_index = torch.zeros(self.ct, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(self.F, dtype=torch.long, device=dev)
+        self.rope = ChunkRope(spec, dev)
+        self.text_k = self.text_v = None  # [blocks, heads, prompt_tokens, head_dim]
+
+    def new_session(self) -> None:
+        self.chunk.zero_()
+        self.quantized = False
+        self.text_k = self.text_v = None
+
+    # ---- what the host knows from its chunk count -------------------------------------
+    def valid_slots(self, c: int) -> int:
+        """Slots chunk c attends over (every written one, its own included)."""
+        return (min(c, self.S + self.W - 1) + 1) * self.ct
+
+    def base_frame(self, c: int) -> int:
+        """Position of chunk c's first frame."""
+        if not self.reset_on or c <= self.S:
+            return c * self.F
+        return self.F * (self.S + 1 + (c - self.S - 1) % self.R)
+
+    def is_reset(self, c: int) -> bool:
+        """Chunk c starts with the delta rotation of the cached window keys."""
+        return self.reset_on and c > self.S + 1 and (c - self.S - 1) % self.R == 0
+
+    # ---- per chunk ---------------------------------------------------------------------
+    def begin_chunk(self, c: int) -> None:
+        """Set the write slots and positions of chunk c (the host's count; the ring path
+        computes both on the device from its own counter and ignores c) and, at a reset,
+        rotate the window's cached keys."""
+        if self.ring:
+            n = self.chunk
+            window = self.sink_slots + torch.remainder(n - self.S, self.W) * self.ct
+            self.write_index.copy_(torch.where(n < self.S, n * self.ct, window) + self.lanes)
+            if self.reset_on:
+                wrapped = self.F * (self.S + 1 + torch.remainder(n - self.S - 1, self.R))
+                base = torch.where(n <= self.S, n * self.F, wrapped)
+            else:
+                base = n * self.F
+            self.positions.copy_(base + self.frames)
+        else:
+            if c >= self.S + self.W:  # slide the window left by one chunk
+                lo = self.sink_slots
+                for cache in self._stores():
+                    cache[:, :, lo: self.slots - self.ct] = cache[:, :, lo + self.ct:].clone()
+            off = min(c, self.S + self.W - 1) * self.ct
+            self.write_index.copy_(self.lanes + off)
+            self.positions.copy_(self.frames + self.base_frame(c))
+        if self.is_reset(c):
+            self.delta_rotate()
+
+    def _stores(self):
+        return (self.k8, self.v8) if self.quantized else (self.k, self.v)
+
+    def delta_rotate(self) -> None:
+        """Turn every cached window key back by reset_period chunks of positions."""
+        delta = -float(self.R * self.F)
+        lo = self.sink_slots
+        if self.quantized:
+            ks = self.scale[:, 0]
+            k = self.k8[:, :, lo:].float() * ks
+            rot = rotate_temporal(k, self.rope.omega_t, delta)
+            self.k8[:, :, lo:] = fp8.quantize(rot, ks)
+        else:
+            self.k[:, :, lo:] = rotate_temporal(self.k[:, :, lo:], self.rope.omega_t, delta)
+
+    def end_chunk(self) -> None:
+        self.chunk += 1
+
+    # ---- per block ---------------------------------------------------------------------
+    def write(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Chunk tokens' k, v [ct, heads, head_dim] (k after RoPE) into block b's slots."""
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if self.quantized:
+            fp8.index_copy_(self.k8[b], 1, self.write_index, fp8.quantize(k, self.scale[b, 0]))
+            fp8.index_copy_(self.v8[b], 1, self.write_index, fp8.quantize(v, self.scale[b, 1]))
+        else:
+            self.k[b].index_copy_(1, self.write_index, k.to(self.dtype))
+            self.v[b].index_copy_(1, self.write_index, v.to(self.dtype))
+
+    def read(self, b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block b's first n slots' k, v [heads, n, head_dim] in the model's dtype."""
+        if self.quantized:
+            return (fp8.dequantize(self.k8[b, :, :n], self.scale[b, 0], self.dtype),
+                    fp8.dequantize(self.v8[b, :, :n], self.scale[b, 1], self.dtype))
+        return self.k[b, :, :n], self.v[b, :, :n]
+
+    def calibrate(self, n: int) -> None:
+        """Set the FP8 scales from the first n slots of every block and quantize them."""
+        amax = torch.stack([self.k[:, :, :n].float().abs().amax(dim=(2, 3)),
+                            self.v[:, :, :n].float().abs().amax(dim=(2, 3))], dim=1)
+        margin = self.cfg.cache.scale_margin
+        self.scale.copy_((amax.clamp_min(fp8.TINY) * margin / fp8.FP8_MAX)[..., None, None])
+        self.k8.copy_(fp8.quantize(self.k, self.scale[:, 0]))
+        self.v8.copy_(fp8.quantize(self.v, self.scale[:, 1]))
+        self.quantized = True

@@ -1,0 +1,222 @@
+"""The LiveTalk DiT on one device: its plain path is the upstream model's math in its order
+and precision (bf16 activations, fp32 norms, the q/k RMS norm across all heads rounded
+before its weight, complex float64 RoPE), each engine technique behind its switch.
+
+A forward runs one pass over a chunk of F latent frames (F x T tokens): patch embedding of
+the noisy latent with the reference latent and its mask, additive audio before blocks
+2 .. n_blocks // 2, then per block: gated self-attention over the block's cache (the chunk's
+K/V written first), cross-attention to the prompt, gated GELU FFN; the head's modulated
+norm and projection. The AdaLN modulation of pass p comes from its timestep: from the baked
+tables (baked_adaln) or the time MLPs per call."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import fp8
+from ..ops import gated_residual, modulate
+from .cache import ChunkCache
+from .rope import apply_complex, apply_tables
+from .spec import LiveTalkSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over the whole width in fp32, rounded to x's dtype before the weight (the
+    model's own order)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def sinusoid(timestep: float, width: int, dtype) -> torch.Tensor:
+    """The timestep's [1, width] embedding: cos then sin, base 10000, in float64."""
+    half = width // 2
+    freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64).div(half))
+    s = torch.tensor([timestep], dtype=torch.float64)[:, None] * freqs[None]
+    return torch.cat([torch.cos(s), torch.sin(s)], dim=1).to(dtype)
+
+
+def audio_block_index(spec: LiveTalkSpec) -> dict[int, int]:
+    return {b: j for j, b in enumerate(spec.audio_blocks)}
+
+
+class LiveTalkDiT:
+    def __init__(self, cfg, state: dict, device, tables: dict | None = None,
+                 gemm_plan: dict | None = None):
+        self.cfg, self.spec = cfg, cfg.model
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, cfg.numerics.dtype)
+        self.w = {k: v.to(self.device) if v.dtype == fp8.FP8 or k.endswith("weight_scale")
+                  else v.to(self.device, self.dtype) for k, v in state.items()}
+        self.fast_accum = cfg.numerics.fast_accum and self.device.type == "cuda"
+        self.gemms = self._gemms(gemm_plan or {})
+        self.audio_at = audio_block_index(self.spec)
+        sw = cfg.switches
+        if sw.baked_adaln:
+            tables = tables if tables is not None else self.bake_tables()
+            self.adaln = tables["adaln_table"].to(self.device, self.dtype)
+            self.head_mod = tables["head_table"].to(self.device, self.dtype)
+        self.ref = self.y_first = self.y_next = self.context = None
+
+    # ---- linears -------------------------------------------------------------------------
+    def _gemms(self, plan: dict) -> dict:
+        """Each FP8 linear kind's GEMM: the builder's choice on a GPU, else _scaled_mm (or
+        its exact emulation)."""
+        from ..plugins import gemm
+
+        if self.device.type != "cuda":
+            return {}
+        return {kind: gemm.select(choice, "plain", self.device) for kind, choice in plan.items()}
+
+    def linear(self, name: str, x: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+        w, b = self.w[f"{name}.weight"], self.w[f"{name}.bias"]
+        if w.dtype != fp8.FP8:
+            return F.linear(x, w, b)
+        aq, a_s = fp8.quantize_rows(x.reshape(-1, x.shape[-1]))
+        gemm = self.gemms.get(kind, fp8.scaled_mm) if x.shape[0] == self.spec.chunk_tokens \
+            else fp8.scaled_mm
+        out = gemm(aq, a_s, w, self.w[f"{name}.weight_scale"], self.dtype, self.fast_accum)
+        return out + b
+
+    # ---- the timestep's modulation -------------------------------------------------------
+    def time_embedding(self, timestep: float) -> torch.Tensor:
+        e = sinusoid(timestep, self.spec.freq_dim, self.dtype).to(self.device)
+        return self.linear("time_embedding.2", F.silu(self.linear("time_embedding.0", e)))
+
+    def modulations(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pass p's ([blocks, 6, dim], [2, dim]) modulation (p == passes: the commit pass)."""
+        if self.cfg.switches.baked_adaln:
+            return self.adaln[p], self.head_mod[p]
+        return self._modulations(self.pass_timestep(p))
+
+    def pass_timestep(self, p: int) -> float:
+        sched = self.cfg.schedule
+        return sched.timesteps[p] if p < sched.passes else 0.0
+
+    def _modulations(self, timestep: float):
+        spec = self.spec
+        t = self.time_embedding(timestep)
+        t_mod = self.linear("time_projection.1", F.silu(t)).unflatten(1, (6, spec.dim))
+        blocks = torch.stack([self.w[f"blocks.{b}.modulation"][0] + t_mod[0]
+                              for b in range(spec.n_blocks)])
+        return blocks, self.w["head.modulation"][0] + t
+
+    def bake_tables(self) -> dict[str, torch.Tensor]:
+        """The modulation of every pass and the commit pass, as the plain path computes it."""
+        mods = [self._modulations(self.pass_timestep(p))
+                for p in range(self.cfg.schedule.passes + 1)]
+        return {"adaln_table": torch.stack([m[0] for m in mods]),
+                "head_table": torch.stack([m[1] for m in mods])}
+
+    # ---- once per session ----------------------------------------------------------------
+    def start(self, ref_latent: torch.Tensor, prompt: torch.Tensor, cache: ChunkCache) -> None:
+        """The reference latent [C, h, w] (normalized) and the prompt's features
+        [prompt_tokens, text_dim]: the conditioning inputs, the text context and, with
+        text_kv_once, every block's cross-attention K/V."""
+        spec, dt = self.spec, self.dtype
+        self.ref = ref_latent.to(self.device, dt)
+        ref = self.ref[:, None].expand(-1, spec.chunk_frames, -1, -1)
+        mask = torch.ones(1, spec.chunk_frames, spec.latent_h, spec.latent_w, device=self.device,
+                          dtype=dt)
+        self.y_next = torch.cat([ref, mask]).contiguous()
+        mask_first = mask.clone()
+        mask_first[:, 0] = 0
+        self.y_first = torch.cat([ref, mask_first]).contiguous()
+        x = prompt.to(self.device, dt)
+        self.context = self.linear("text_embedding.2", gelu(self.linear("text_embedding.0", x)))
+        if self.cfg.switches.text_kv_once:
+            kv = [self.cross_kv(b) for b in range(spec.n_blocks)]
+            cache.text_k = torch.stack([k for k, _ in kv])
+            cache.text_v = torch.stack([v for _, v in kv])
+
+    def cross_kv(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block b's cross-attention k, v [heads, prompt_tokens, head_dim]."""
+        spec, pre = self.spec, f"blocks.{b}.cross_attn"
+        k = rms_norm(self.linear(f"{pre}.k", self.context), self.w[f"{pre}.norm_k.weight"],
+                     spec.norm_eps)
+        v = self.linear(f"{pre}.v", self.context)
+        return self.heads(k).transpose(0, 1), self.heads(v).transpose(0, 1)
+
+    # ---- per chunk -----------------------------------------------------------------------
+    def audio_conditioning(self, feats: torch.Tensor) -> torch.Tensor:
+        """Chunk audio feature rows [audio_rows, audio_dim] -> [audio blocks, F, dim]."""
+        spec = self.spec
+        x = feats.to(self.device, self.dtype).reshape(spec.chunk_frames, -1)
+        a = self.linear("audio_proj.proj", x)
+        a = F.layer_norm(a, (spec.audio_hidden,), self.w["audio_proj.norm_out.weight"],
+                         self.w["audio_proj.norm_out.bias"])
+        return torch.stack([self.linear(f"audio_cond_projs.{j}", a)
+                            for j in range(len(spec.audio_blocks))])
+
+    def rope(self, cache: ChunkCache):
+        """The chunk's rotation from the cache's positions: fp32 tables or complex128."""
+        if self.cfg.switches.rope_tables:
+            cos, sin = cache.rope.tables(cache.positions)
+            return lambda x: apply_tables(x, cos, sin)
+        ph = cache.rope.phasors(cache.positions)
+        return lambda x: apply_complex(x, ph)
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.spec.n_heads, self.spec.head_dim))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, p: int, cache: ChunkCache,
+                audio: torch.Tensor, rope, n_slots: int, commit: bool = False):
+        """One pass over the chunk latent x [C, F, h, w] with its conditioning y; writes
+        every block's K/V at the cache's write slots and attends over its first n_slots.
+        Returns the flow prediction [C, F, h, w], or None for a commit pass that skips the
+        unused tail (skip_commit_tail)."""
+        spec, w = self.spec, self.w
+        inp = torch.cat([x, y])[None]
+        h = F.conv3d(inp, w["patch_embedding.weight"], w["patch_embedding.bias"],
+                     stride=(1, spec.patch, spec.patch))
+        h = h.flatten(2)[0].t()  # [F * T, dim], tokens ordered (frame, row, column)
+        mods, head_mod = self.modulations(p)
+        T, eps, last = spec.frame_tokens, spec.norm_eps, spec.n_blocks - 1
+        for b in range(spec.n_blocks):
+            if b in self.audio_at:
+                h = audio[self.audio_at[b]].repeat_interleave(T, dim=0) + h
+            shift1, scale1, gate1, shift2, scale2, gate2 = mods[b]
+            pre = f"blocks.{b}.self_attn"
+            a = modulate(h, shift1, scale1, eps)
+            q = rms_norm(self.linear(f"{pre}.q", a, "attn"), w[f"{pre}.norm_q.weight"], eps)
+            k = rms_norm(self.linear(f"{pre}.k", a, "attn"), w[f"{pre}.norm_k.weight"], eps)
+            v = self.linear(f"{pre}.v", a, "attn")
+            q, k = rope(self.heads(q)), rope(self.heads(k))
+            cache.write(b, k, self.heads(v))
+            if commit and b == last and self.cfg.switches.skip_commit_tail:
+                return None
+            kc, vc = cache.read(b, n_slots)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None])
+            o = o[0].transpose(0, 1).flatten(1)
+            h = gated_residual(h, gate1, self.linear(f"{pre}.o", o, "attn"))
+            h = h + self.cross_attention(b, h, cache)
+            a = modulate(h, shift2, scale2, eps)
+            up = gelu(self.linear(f"blocks.{b}.ffn.0", a, "ffn_up"))
+            f = self.linear(f"blocks.{b}.ffn.2", up, "ffn_down")
+            h = gated_residual(h, gate2, f)
+        shift, scale = head_mod
+        out = self.linear("head.head", modulate(h, shift, scale, eps))
+        return self.unpatchify(out, x.shape[1])
+
+    def cross_attention(self, b: int, h: torch.Tensor, cache: ChunkCache) -> torch.Tensor:
+        spec, w, pre = self.spec, self.w, f"blocks.{b}.cross_attn"
+        a = F.layer_norm(h, (spec.dim,), w[f"blocks.{b}.norm3.weight"], w[f"blocks.{b}.norm3.bias"],
+                         spec.norm_eps)
+        q = rms_norm(self.linear(f"{pre}.q", a, "attn"), w[f"{pre}.norm_q.weight"], spec.norm_eps)
+        if self.cfg.switches.text_kv_once:
+            k, v = cache.text_k[b], cache.text_v[b]
+        else:
+            k, v = self.cross_kv(b)
+        o = F.scaled_dot_product_attention(self.heads(q).transpose(0, 1)[None], k[None], v[None])
+        return self.linear(f"{pre}.o", o[0].transpose(0, 1).flatten(1), "attn")
+
+    def unpatchify(self, out: torch.Tensor, frames: int) -> torch.Tensor:
+        """[F * T, (py, px, C)] -> [C, F, h, w]."""
+        spec, p = self.spec, self.spec.patch
+        x = out.view(frames, spec.grid_h, spec.grid_w, p, p, spec.latent_channels)
+        return x.permute(5, 0, 1, 3, 2, 4).reshape(spec.latent_channels, frames, spec.latent_h,
+                                                    spec.latent_w)

@@ -1,0 +1,106 @@
+"""LiveTalk's side networks as one module tree, so an engine stores and loads them as one
+state dict: the Wan 2.1 VAE (`vae.`: the reference image's encoder, once per session, and
+the streaming decoder), wav2vec2 (`audio_encoder.`), and the prompt (`prompt.`: one
+prompt's umT5 features, made at build; with a tiny-umt5 spec also a small umT5 encoder,
+`umt5.`, that encodes any prompt).
+
+`load_side_files` reads them from the files a user has: `Wan2.1_VAE.pth` (torch.load with
+weights_only), a wav2vec2 directory (transformers), and the prompt as a safetensors file of
+umT5 features or through a local umT5 encoder directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import CheckpointError, check_tensors
+from .audio import AudioEncoder
+from .spec import LiveTalkSpec
+from .vae import StreamingDecoder, WanVAE, encode_image, load_vae
+
+PREFIXES = ("vae.", "audio_encoder.", "prompt.", "umt5.")
+
+
+class SideNets(torch.nn.Module):
+    def __init__(self, spec: LiveTalkSpec):
+        super().__init__()
+        from .text import TinyUmt5Prompt
+
+        self.spec = spec
+        self.vae = WanVAE(spec.vae)
+        self.audio_encoder = AudioEncoder(spec.audio)
+        self.prompt = torch.nn.Module()
+        self.prompt.register_buffer("features", torch.zeros(spec.prompt_tokens, spec.text_dim))
+        self.prompt_encoder = TinyUmt5Prompt(spec.prompt_tokens, spec.text_dim) \
+            if spec.text_encoder == "tiny-umt5" else None
+        self.umt5 = self.prompt_encoder.model if self.prompt_encoder is not None else None
+        self.decoder: StreamingDecoder | None = None  # made on the networks' device (ready())
+
+    def ready(self) -> "SideNets":
+        """After a move to the serving device: the streaming decoder over the moved VAE."""
+        self.decoder = StreamingDecoder(self.vae)
+        return self
+
+    def image_encoder(self, image: torch.Tensor) -> torch.Tensor:
+        """The reference image [3, H, W] in [0, 1] -> its normalized latent [C, h, w]."""
+        return encode_image(self.vae, image.to(self.prompt.features.device))
+
+    def text_encoder(self, prompt: str) -> torch.Tensor:
+        """The prompt's features [prompt_tokens, text_dim]: encoded where the engine has an
+        encoder, else the features the engine was built with (for any prompt)."""
+        if self.prompt_encoder is not None and prompt:
+            return self.prompt_encoder.encode(prompt).to(self.prompt.features.device)
+        return self.prompt.features
+
+
+def side_shapes(spec: LiveTalkSpec) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in SideNets(spec).state_dict().items()}
+
+
+def check_side(spec: LiveTalkSpec, state: dict, where: str) -> None:
+    check_tensors(side_shapes(spec), state, where, f"{spec.name}'s side networks")
+
+
+def random_side_state(spec: LiveTalkSpec, seed: int) -> dict[str, torch.Tensor]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        nets = SideNets(spec)
+        nets.prompt.features.normal_()
+        return {k: v.detach().clone() for k, v in nets.state_dict().items()}
+
+
+def load_side(spec: LiveTalkSpec, state: dict, device="cpu") -> SideNets:
+    nets = SideNets(spec)
+    missing, unexpected = nets.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        name = (missing or unexpected)[0]
+        raise ValueError(f"side networks: {'missing' if missing else 'unexpected'} tensor {name!r}")
+    return nets.to(device).eval().ready()
+
+
+def load_side_files(spec: LiveTalkSpec, vae: Path | None, wav2vec: Path | None,
+                    prompt_features: Path | None = None, text_encoder: Path | None = None,
+                    prompt: str = "", seed: int = 0) -> dict[str, torch.Tensor]:
+    """The engine's side state from the user's files; a network whose file is not given is
+    random (seeded), for builds of random weights. One CheckpointError line for a bad file."""
+    state = random_side_state(spec, seed)
+    if vae is not None:
+        state |= {f"vae.{k}": v for k, v in load_vae(vae, spec.vae).items()}
+    if wav2vec is not None:
+        enc = AudioEncoder.from_pretrained(wav2vec, spec.audio)
+        state |= {f"audio_encoder.{k}": v for k, v in enc.state_dict().items()}
+    if prompt_features is not None and text_encoder is not None:
+        raise CheckpointError("give the prompt as features or through a text encoder, not both")
+    if prompt_features is not None:
+        from .text import load_prompt_embeddings
+
+        state["prompt.features"] = load_prompt_embeddings(prompt_features, spec.prompt_tokens,
+                                                          spec.text_dim).float()
+    elif text_encoder is not None:
+        from .text import Umt5Prompt
+
+        state["prompt.features"] = Umt5Prompt(text_encoder, spec.prompt_tokens,
+                                              spec.text_dim).encode(prompt).float()
+    return state

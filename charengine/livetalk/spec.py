@@ -1,0 +1,253 @@
+"""The LiveTalk family's spec, cache geometry, schedule and switches, and its presets.
+
+LiveTalk-1.3B is Wan 2.1 T2V-1.3B with OmniAvatar's audio conditioning, distilled to a
+four-pass block-causal generator: chunks of three latent frames, one KV cache per block with
+nine sink frames (the first three chunks) and a rolling window of the last two chunks.
+Presets are data (`PRESETS`); `tiny-livetalk` has the same structure at CPU size."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .audio import BASE_960H, TINY as TINY_AUDIO, AudioSpec
+from .vae import TINY as TINY_VAE, WAN21, VaeSpec
+
+
+TEXT_ENCODERS = ("features", "tiny-umt5")
+
+
+@dataclass(frozen=True)
+class LiveTalkSpec:
+    """Shapes of the LiveTalk DiT and its side networks; everything else is derived.
+
+    A block: self-attention over the cache, cross-attention to the prompt, a GELU FFN, with
+    AdaLN (shift, scale, gate) per latent frame from its timestep. Audio features are added
+    before blocks 2 .. n_blocks // 2. Tokens are ordered (frame, row, column) over 2 x 2
+    patches of the latent."""
+
+    FAMILY = "livetalk"  # the model family (charengine/family.py); not a field
+    NESTED = {"audio": AudioSpec, "vae": VaeSpec}  # read back as dataclasses; not a field
+
+    name: str
+    dim: int = 1536
+    n_blocks: int = 30
+    n_heads: int = 12
+    ffn_dim: int = 8960
+    text_dim: int = 4096  # umT5-XXL's width
+    prompt_tokens: int = 512
+    freq_dim: int = 256  # the timestep sinusoid's width
+    latent_channels: int = 16
+    patch: int = 2  # spatial patch (the temporal patch is 1)
+    latent_h: int = 64
+    latent_w: int = 64
+    vae_stride: int = 8  # output pixels per latent pixel, each spatial axis
+    vae_time_stride: int = 4  # video frames per latent frame after the first
+    chunk_frames: int = 3  # latent frames denoised together (one step)
+    sink_frames: int = 9  # latent frames kept for the session at the cache's start
+    window_frames: int = 6  # latent frames of the rolling window (the last two chunks)
+    fps: int = 16
+    audio_hidden: int = 32  # AudioPack's output width
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # the prompt: "features" (the engine holds one prompt's umT5 features, made at build)
+    # or "tiny-umt5" (a small umT5 encoder in the engine encodes any prompt)
+    text_encoder: str = "features"
+    audio: AudioSpec = field(default_factory=lambda: BASE_960H)
+    vae: VaeSpec = field(default_factory=lambda: WAN21)
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"{self.name}: dim {self.dim} is not a multiple of n_heads")
+        if self.latent_h % self.patch or self.latent_w % self.patch:
+            raise ValueError(f"{self.name}: the latent is not a whole number of patches")
+        if self.sink_frames % self.chunk_frames or self.window_frames % self.chunk_frames:
+            raise ValueError(f"{self.name}: sink and window must be whole chunks")
+        if self.text_encoder not in TEXT_ENCODERS:
+            raise ValueError(f"{self.name}: text_encoder must be one of {TEXT_ENCODERS}")
+        if any(d % 2 for d in self.rope_split):
+            raise ValueError(f"{self.name}: head dim {self.head_dim} splits into odd RoPE "
+                             f"parts {self.rope_split}")
+
+    # ---- derived shapes --------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def rope_split(self) -> tuple[int, int, int]:
+        """Temporal, height and width parts of a head (Wan: 44 / 42 / 42 of 128)."""
+        third = self.head_dim // 3
+        return self.head_dim - 2 * third, third, third
+
+    @property
+    def in_channels(self) -> int:
+        """Noise, the reference latent and its mask channel."""
+        return 2 * self.latent_channels + 1
+
+    @property
+    def grid_h(self) -> int:
+        return self.latent_h // self.patch
+
+    @property
+    def grid_w(self) -> int:
+        return self.latent_w // self.patch
+
+    @property
+    def frame_tokens(self) -> int:
+        return self.grid_h * self.grid_w
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.chunk_frames * self.frame_tokens
+
+    @property
+    def cache_frames(self) -> int:
+        return self.sink_frames + self.window_frames
+
+    @property
+    def sink_chunks(self) -> int:
+        return self.sink_frames // self.chunk_frames
+
+    @property
+    def window_chunks(self) -> int:
+        return self.window_frames // self.chunk_frames
+
+    @property
+    def out_h(self) -> int:
+        return self.latent_h * self.vae_stride
+
+    @property
+    def out_w(self) -> int:
+        return self.latent_w * self.vae_stride
+
+    @property
+    def frames_per_latent(self) -> int:
+        """Video frames per step (a chunk) once the first is done (delivery reads this)."""
+        return self.chunk_frames * self.vae_time_stride
+
+    @property
+    def first_step_frames(self) -> int:
+        """The first chunk's frames: the VAE's first latent decodes to one frame."""
+        return 1 + (self.chunk_frames - 1) * self.vae_time_stride
+
+    @property
+    def audio_rows(self) -> int:
+        """Audio feature rows per chunk (AudioPack folds vae_time_stride rows per frame)."""
+        return self.chunk_frames * self.vae_time_stride
+
+    @property
+    def audio_dim(self) -> int:
+        return self.audio.feature_dim
+
+    @property
+    def audio_blocks(self) -> range:
+        """Blocks that audio is added before (2 .. n_blocks // 2, one projection each)."""
+        return range(2, self.n_blocks // 2 + 1)
+
+    @property
+    def side(self) -> AudioSpec:
+        """What delivery reads of the side networks (the speech's sample rate)."""
+        return self.audio
+
+    def check_tp(self, tp: int) -> None:
+        if tp != 1:
+            raise ValueError(f"{self.name} runs on one GPU (tp = 1); its 1.3B parameters need "
+                             "no tensor parallelism. Use the target's decoder placement to "
+                             "spread the work instead.")
+
+    def block_linear_params(self) -> int:
+        """Parameters of one block's linears (self and cross attention, FFN)."""
+        return 8 * self.dim * self.dim + 2 * self.dim * self.ffn_dim
+
+
+@dataclass(frozen=True)
+class LiveTalkCache:
+    """The position reset and FP8 KV calibration of the per-block caches.
+
+    Sink frames keep positions 0 .. sink_frames - 1 for the session. A window chunk c >= 3
+    would sit at position 3c; with the reset, the chunk after the sink takes position
+    sink_frames, and every `reset_period` chunks after the first window chunk the cached
+    window keys rotate back by reset_period chunks (the delta rotation), so positions stay in
+    [0, sink_frames + (reset_period + 1) * chunk_frames). The default, 3 chunks, keeps every
+    position within the 21 latent frames LiveTalk was trained on (docs/DECISIONS.md)."""
+
+    reset_period: int = 3  # chunks
+    calibration_chunks: int = 4  # FP8 KV scales are set from the chunks before this one
+    scale_margin: float = 1.5
+
+    def __post_init__(self):
+        if self.reset_period < 1:
+            raise ValueError("cache.reset_period must be at least 1 chunk")
+        if self.calibration_chunks < 1:
+            raise ValueError("cache.calibration_chunks must be at least 1")
+
+
+@dataclass(frozen=True)
+class LiveTalkSchedule:
+    """Four passes at a shift-warped flow-matching schedule, then the commit pass at t = 0.
+
+    The model sees the timesteps rounded to bf16 (1000, 936, 832, 624); x0 and the
+    re-noising use the exact sigmas (1, 0.9375, 0.8333, 0.625)."""
+
+    steps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
+    shift: float = 5.0
+    train_timesteps: int = 1000
+
+    @property
+    def passes(self) -> int:
+        return len(self.steps)
+
+    @property
+    def sigmas(self) -> tuple[float, ...]:
+        out = []
+        for t in self.steps:
+            s = t / self.train_timesteps
+            out.append(self.shift * s / (1 + (self.shift - 1) * s))
+        return tuple(out)
+
+    @property
+    def timesteps(self) -> tuple[float, ...]:
+        """The timesteps the model is conditioned on (bf16-rounded, as the model saw)."""
+        import torch
+
+        exact = torch.tensor([s * self.train_timesteps for s in self.sigmas])
+        return tuple(float(x) for x in exact.to(torch.bfloat16).float())
+
+    def next_sigma(self, p: int) -> float:
+        return self.sigmas[p + 1] if p + 1 < self.passes else 0.0
+
+
+@dataclass(frozen=True)
+class LiveTalkSwitches:
+    """One switch per optimization of the LiveTalk step; all off is its plain path (the
+    upstream loop's semantics, sessions of any length aside)."""
+
+    baked_adaln: bool = True  # AdaLN and head modulation tables per pass, not the time MLP
+    text_kv_once: bool = True  # cross-attention K/V from the prompt at session start
+    ring_cache: bool = True  # window chunks in a ring at a device-side write position
+    rope_tables: bool = True  # RoPE from fp32 cos/sin tables on the device, not complex64/128
+    position_reset: bool = True  # bounded positions: periodic reset with the delta rotation
+    fp8_kv: bool = True  # K/V stored FP8 with per-(block, head) scales calibrated once
+    skip_commit_tail: bool = True  # the commit pass stops after the last block's K/V
+
+    ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
+             "fp8_kv", "skip_commit_tail")
+
+    @classmethod
+    def baseline(cls) -> "LiveTalkSwitches":
+        return cls(**{f.name: False for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def cumulative(cls, upto: str) -> "LiveTalkSwitches":
+        if upto == "baseline":
+            return cls.baseline()
+        on = cls.ORDER[: cls.ORDER.index(upto) + 1]
+        return cls(**{name: name in on for name in cls.ORDER})
+
+
+LIVETALK_1_3B = LiveTalkSpec(name="livetalk-1.3b")
+TINY = LiveTalkSpec(name="tiny-livetalk", dim=64, n_blocks=6, n_heads=2, ffn_dim=128,
+                    text_dim=32, prompt_tokens=16, freq_dim=32, latent_h=8, latent_w=8,
+                    audio_hidden=8, text_encoder="tiny-umt5", audio=TINY_AUDIO, vae=TINY_VAE)
+PRESETS = {s.name: s for s in (LIVETALK_1_3B, TINY)}

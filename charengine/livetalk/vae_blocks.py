@@ -1,0 +1,225 @@
+"""The Wan 2.1 VAE's building blocks: causal 3-D convs, RMS norms, per-frame attention, the
+2x resampling stages, and the encoder and decoder stacks built from them.
+
+Module and parameter names are those of the released `Wan2.1_VAE.pth`, so its state dict loads
+unchanged. Every 3-tap temporal conv is causal: an output frame sees its input frame and the two
+before it, zeros before the first. Decoding a session in pieces keeps each conv's last two input
+frames in a `StreamState`; a call without one is a whole sequence from the session's start. The
+first frame of a sequence skips temporal resampling (it stays one frame, and the temporal convs
+of the resamplers start at the second), which is why latent 0 decodes to one frame and each
+later latent to four.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class StreamState:
+    """A decode session: the last input frames of every temporal conv (allocated on first use,
+    then updated in place) and whether the session's first frame is done."""
+
+    def __init__(self) -> None:
+        self.past: dict[nn.Module, torch.Tensor] = {}
+        self.started = False
+
+    def reset(self) -> None:
+        for t in self.past.values():
+            t.zero_()
+        self.started = False
+
+    def history(self, conv: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
+        """`conv`'s n past input frames for input `x` (zeros at a session's start)."""
+        want = (x.shape[0], x.shape[1], n, *x.shape[3:])
+        past = self.past.get(conv)
+        if past is None or past.shape != want or past.dtype != x.dtype or past.device != x.device:
+            past = self.past[conv] = x.new_zeros(want)
+        return past
+
+
+def numbered(layers: dict[int, nn.Module]) -> nn.ModuleDict:
+    """Layers under the numeric names the checkpoint gives them (positions with no weights,
+    such as activations, are absent)."""
+    return nn.ModuleDict({str(i): m for i, m in layers.items()})
+
+
+def conv2d_frames(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """A 2-D conv applied to every frame of [B, C, T, H, W] (as a 1 x k x k 3-D conv)."""
+    return F.conv3d(x, conv.weight.unsqueeze(2), conv.bias, stride=(1, *conv.stride),
+                    padding=(0, *conv.padding))
+
+
+class CausalConv3d(nn.Conv3d):
+    """A 3-D conv padded by zeros in space and, in time, by its past input frames only."""
+
+    def __init__(self, cin: int, cout: int, kernel: int | tuple[int, int, int]):
+        k = (kernel,) * 3 if isinstance(kernel, int) else tuple(kernel)
+        super().__init__(cin, cout, k, padding=(0, k[1] // 2, k[2] // 2))
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        n = self.kernel_size[0] - 1
+        if n:
+            if state is None:
+                x = F.pad(x, (0, 0, 0, 0, n, 0))
+            else:
+                past = state.history(self, x, n)
+                x = torch.cat([past, x], dim=2)
+                past.copy_(x[:, :, -n:])
+        return super().forward(x)
+
+
+class RMSNorm(nn.Module):
+    """Unit L2 norm over channels, times sqrt(channels) and a learned per-channel gain.
+    `gain_dims` trailing singleton dims on the gain: 3 in the conv blocks, 2 in attention."""
+
+    def __init__(self, dim: int, gain_dims: int = 3):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(dim, *(1,) * gain_dims))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gain = self.gamma.view(-1, *(1,) * (x.dim() - 2))
+        return F.normalize(x, dim=1) * self.scale * gain
+
+
+class ResBlock(nn.Module):
+    """norm, SiLU, causal 3x3x3 conv, twice, plus the input (through a 1x1x1 conv if the width
+    changes)."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.residual = numbered({0: RMSNorm(cin), 2: CausalConv3d(cin, cout, 3),
+                                  3: RMSNorm(cout), 6: CausalConv3d(cout, cout, 3)})
+        self.shortcut = CausalConv3d(cin, cout, 1) if cin != cout else None
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        r = self.residual
+        h = r["2"](F.silu(r["0"](x)), state)
+        h = r["6"](F.silu(r["3"](h)), state)
+        return h + (x if self.shortcut is None else self.shortcut(x))
+
+
+class FrameAttention(nn.Module):
+    """Single-head self-attention over the pixels of each frame, plus the input."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = RMSNorm(dim, gain_dims=2)
+        self.to_qkv = nn.Conv2d(dim, 3 * dim, 1)
+        self.proj = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        qkv = conv2d_frames(self.to_qkv, self.norm(x))  # [B, 3C, T, H, W]
+        qkv = qkv.view(b, 3, c, t, h * w).permute(1, 0, 3, 4, 2).reshape(3, b * t, 1, h * w, c)
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [B*T, 1, HW, C]
+        y = y.view(b, t, h, w, c).permute(0, 4, 1, 2, 3)
+        return conv2d_frames(self.proj, y) + x
+
+
+class Downsample(nn.Module):
+    """Halve space (pad right and bottom, 3x3 conv, stride 2); with `temporal`, then halve time:
+    frame 0 stays, and a 3-tap stride-2 conv over frames (0, 1, 2), (2, 3, 4), ... follows it."""
+
+    def __init__(self, dim: int, temporal: bool):
+        super().__init__()
+        self.temporal = temporal
+        self.resample = numbered({1: nn.Conv2d(dim, dim, 3, stride=2)})
+        if temporal:
+            self.time_conv = nn.Conv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1))
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        x = conv2d_frames(self.resample["1"], F.pad(x, (0, 1, 0, 1)))
+        if self.temporal and x.shape[2] > 1:
+            x = torch.cat([x[:, :, :1], self.time_conv(x)], dim=2)
+        return x
+
+
+class Upsample(nn.Module):
+    """With `temporal`, first double time: a causal 3-tap conv to twice the channels, read as
+    two frames per input frame (a session's frame 0 stays one frame and is not part of that
+    conv's input); then double space (nearest) and a 3x3 conv to half the channels."""
+
+    def __init__(self, dim: int, temporal: bool):
+        super().__init__()
+        self.temporal = temporal
+        self.resample = numbered({1: nn.Conv2d(dim, dim // 2, 3, padding=1)})
+        if temporal:
+            self.time_conv = CausalConv3d(dim, 2 * dim, (3, 1, 1))
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        if self.temporal:
+            x = self._double_time(x, state)
+        x = F.interpolate(x, scale_factor=(1.0, 2.0, 2.0), mode="nearest")
+        return conv2d_frames(self.resample["1"], x)
+
+    def _double_time(self, x: torch.Tensor, state: StreamState | None) -> torch.Tensor:
+        first = None
+        if state is None or not state.started:
+            first, x = x[:, :, :1], x[:, :, 1:]
+            if x.shape[2] == 0:
+                return first
+        b, c, t, h, w = x.shape
+        y = self.time_conv(x, state).view(b, 2, c, t, h, w)
+        x = y.permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * t, h, w)
+        return x if first is None else torch.cat([first, x], dim=2)
+
+
+class Encoder(nn.Module):
+    """Video [B, 3, 1 + 4k, H, W] in [-1, 1] -> [B, 2 z, 1 + k, H/8, W/8] (mean, log-variance)
+    before the VAE's own 1x1x1 conv."""
+
+    def __init__(self, spec):
+        super().__init__()
+        dims = [spec.dim * m for m in (1, *spec.dim_mult)]
+        self.conv1 = CausalConv3d(3, dims[0], 3)
+        blocks: list[nn.Module] = []
+        cin = dims[0]
+        for i, cout in enumerate(dims[1:]):
+            for _ in range(spec.num_res_blocks):
+                blocks.append(ResBlock(cin, cout))
+                cin = cout
+            if i < len(spec.dim_mult) - 1:
+                blocks.append(Downsample(cout, spec.temporal_downsample[i]))
+        self.downsamples = nn.ModuleList(blocks)
+        self.middle = nn.ModuleList([ResBlock(cin, cin), FrameAttention(cin), ResBlock(cin, cin)])
+        self.head = numbered({0: RMSNorm(cin), 2: CausalConv3d(cin, 2 * spec.z_dim, 3)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv1(x)
+        for m in (*self.downsamples, *self.middle):
+            x = m(x)
+        return self.head["2"](F.silu(self.head["0"](x)))
+
+
+class Decoder(nn.Module):
+    """Latents [B, z, F, h, w] (after the VAE's 1x1x1 conv) -> video [B, 3, n, 8 h, 8 w], about
+    [-1, 1]; n = 4 F, less 3 when the call holds the session's first latent."""
+
+    def __init__(self, spec):
+        super().__init__()
+        mult = spec.dim_mult
+        dims = [spec.dim * m for m in (mult[-1], *reversed(mult))]
+        temporal = tuple(reversed(spec.temporal_downsample))
+        self.conv1 = CausalConv3d(spec.z_dim, dims[0], 3)
+        self.middle = nn.ModuleList([ResBlock(dims[0], dims[0]), FrameAttention(dims[0]),
+                                     ResBlock(dims[0], dims[0])])
+        blocks: list[nn.Module] = []
+        cin = dims[0]
+        for i, cout in enumerate(dims[1:]):
+            for _ in range(spec.num_res_blocks + 1):
+                blocks.append(ResBlock(cin, cout))
+                cin = cout
+            if i < len(mult) - 1:
+                blocks.append(Upsample(cout, temporal[i]))
+                cin = cout // 2
+        self.upsamples = nn.ModuleList(blocks)
+        self.head = numbered({0: RMSNorm(cin), 2: CausalConv3d(cin, 3, 3)})
+
+    def forward(self, z: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        x = self.conv1(z, state)
+        for m in (*self.middle, *self.upsamples):
+            x = m(x, state)
+        return self.head["2"](F.silu(self.head["0"](x)), state)

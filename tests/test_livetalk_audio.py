@@ -1,0 +1,207 @@
+"""LiveTalk's audio features and prompt (CPU, tiny random networks): the live window against
+the whole-clip (OmniAvatar) path, chunk bounds, liveness, loading, the prompt sources."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from charengine.checkpoint import CheckpointError
+from charengine.livetalk import audio as A
+from charengine.livetalk.text import (TinyUmt5Prompt, load_prompt_embeddings,
+                                      save_prompt_embeddings)
+
+LATENTS = 12  # 45 video frames, 2.75 s: four chunks
+WIDE = dataclasses.replace(A.TINY, context_frames=48, lookahead_frames=48)  # covers the clip
+
+
+def speechlike(n: int, seed: int = 1) -> torch.Tensor:
+    """A voiced tone with harmonics, syllable-rate envelope and pauses, plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.arange(n, dtype=torch.float64) / 16000
+    phase = 2 * math.pi * torch.cumsum(140 + 40 * torch.sin(2 * math.pi * 0.7 * t), 0) / 16000
+    voiced = sum(torch.sin(h * phase) / h for h in range(1, 6))
+    env = (0.5 + 0.5 * torch.sin(2 * math.pi * 4 * t)) ** 2 * (torch.sin(2 * math.pi * t) > -0.6)
+    return (0.3 * env * voiced + 0.02 * torch.randn(n, generator=g, dtype=torch.float64)).float()
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return A.AudioEncoder(A.TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def speech():
+    return speechlike((4 * LATENTS - 4) * 1000 + 5000)  # runs past the clip's end
+
+
+def clip_of(speech):
+    return A.Clip.of(A.TINY, speech.numel(), LATENTS)
+
+
+def test_spec_shapes():
+    assert A.BASE_960H.feature_dim == 14 * 768 == 10752
+    assert A.BASE_960H.cnn_stride == A.TINY.cnn_stride == 320
+    assert A.BASE_960H.cnn_field == A.TINY.cnn_field == 400
+    assert A.TINY.feature_dim == 4 * 32
+    s = A.AudioSpec(**json_round_trip(dataclasses.asdict(A.BASE_960H)))
+    assert s == A.BASE_960H and isinstance(s.conv_dim, tuple)
+
+
+def json_round_trip(d):
+    import json
+
+    return json.loads(json.dumps(d))
+
+
+def test_window_covering_the_clip_equals_whole_clip(encoder, speech):
+    ref = A.whole_clip_features(A.TINY, encoder, speech, LATENTS)
+    assert ref.shape == (4 * LATENTS, A.TINY.feature_dim)
+    assert torch.equal(ref[0], ref[3]) and not torch.equal(ref[3], ref[4])
+    for k in range(LATENTS // 3):
+        win = A.chunk_window(WIDE, speech, k)
+        got = A.chunk_features(WIDE, encoder, win, k, clip=clip_of(speech))
+        want = ref[12 * k:12 * k + 12]
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_short_window_differs_but_is_finite(encoder, speech):
+    ref = A.whole_clip_features(A.TINY, encoder, speech, LATENTS)
+    for clip in (None, clip_of(speech)):
+        for k in range(LATENTS // 3):
+            got = A.chunk_features(A.TINY, encoder, A.chunk_window(A.TINY, speech, k), k, clip)
+            assert got.shape == (12, A.TINY.feature_dim)
+            assert torch.isfinite(got).all()
+        assert (got - ref[-12:]).abs().max() > 1e-3
+
+
+def test_silence_is_finite(encoder):
+    win = torch.zeros(A.window_samples(A.TINY))
+    for k in (0, 1, 5):
+        assert torch.isfinite(A.chunk_features(A.TINY, encoder, win, k)).all()
+
+
+def test_chunk_bounds():
+    assert A.chunk_frames(0) == (0, 9)
+    assert A.chunk_frames(1) == (9, 21)
+    assert A.chunk_frames(3) == (33, 45)
+    assert A.chunk_samples(A.TINY, 0) == (0, 9000)
+    assert A.chunk_samples(A.TINY, 2) == (21000, 33000)
+    assert [A.steps_for(A.TINY, n) for n in (0, 1, 9000, 9001, 21000, 21001)] == [1, 1, 1, 2, 2, 3]
+    spec = A.TINY
+    size = A.window_samples(spec)
+    assert size == (spec.context_frames + 12 + spec.lookahead_frames) * 1000
+    w0 = A.window_bounds(spec, 0)
+    assert (w0.a, w0.b, w0.first_frame) == (0, (9 + spec.lookahead_frames) * 1000, 0)
+    for k in range(1, 6):
+        w = A.window_bounds(spec, k)
+        assert w.b == (A.chunk_frames(k)[1] + spec.lookahead_frames) * 1000
+        assert w.a == max(0, w.b - size) and w.end_frame * 1000 == w.b
+    assert A.chunk_window(spec, torch.ones(3000), 4).shape == (size,)
+
+
+def test_chunk_window_is_a_live_history(speech):
+    """A live session keeps the last window_samples heard; step k has heard up to its window's
+    end (chunk 0 takes its lookahead too)."""
+    spec = A.TINY
+    history = torch.zeros(A.window_samples(spec))
+    heard = 0
+    for k in range(6):
+        end = A.window_bounds(spec, k).b
+        got = speech[heard:end]
+        got = torch.nn.functional.pad(got, (0, end - heard - got.numel()))
+        history = torch.cat([history, got])[-history.numel():]
+        heard = end
+        assert torch.equal(history, A.chunk_window(spec, speech, k))
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_features_are_live(encoder, speech, clip):
+    """Chunk k's features read no speech past its window's end (chunk end + lookahead)."""
+    clip = clip_of(speech) if clip else None
+    for k in range(3):
+        end = A.window_bounds(A.TINY, k).b
+        later = speech.clone()
+        later[end:] = torch.randn(later.numel() - end)
+        a = A.chunk_features(A.TINY, encoder, A.chunk_window(A.TINY, speech, k), k, clip)
+        b = A.chunk_features(A.TINY, encoder, A.chunk_window(A.TINY, later, k), k, clip)
+        assert torch.equal(a, b)
+        earlier = speech.clone()
+        earlier[end - 200:end] += 0.5
+        c = A.chunk_features(A.TINY, encoder, A.chunk_window(A.TINY, earlier, k), k, clip)
+        assert not torch.equal(a, c)
+
+
+def test_from_pretrained_round_trip(encoder, speech, tmp_path):
+    encoder.save_pretrained(tmp_path / "w2v")
+    back = A.AudioEncoder.from_pretrained(tmp_path / "w2v", A.TINY)
+    sd, sd2 = encoder.state_dict(), back.state_dict()
+    assert sd.keys() == sd2.keys() and all(k.startswith("model.") for k in sd)
+    assert all(torch.equal(sd[k], sd2[k]) for k in sd)
+    clip = speech[:20000]
+    torch.testing.assert_close(back.features(clip, 21), encoder.features(clip, 21))
+    fresh = A.AudioEncoder(A.TINY, seed=5)
+    key = "model.masked_spec_embed"
+    assert not torch.equal(fresh.state_dict()[key], sd[key])
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.features(clip, 21), encoder.features(clip, 21))
+
+
+def test_from_pretrained_errors(encoder, tmp_path):
+    with pytest.raises(CheckpointError) as e:
+        A.AudioEncoder.from_pretrained(tmp_path / "nowhere", A.TINY)
+    assert "\n" not in str(e.value) and "no such" in str(e.value)
+    encoder.save_pretrained(tmp_path / "w2v")
+    with pytest.raises(CheckpointError) as e:
+        A.AudioEncoder.from_pretrained(tmp_path / "w2v", dataclasses.replace(A.TINY, layers=3))
+    assert "\n" not in str(e.value) and "num_hidden_layers" in str(e.value)
+    with pytest.raises(CheckpointError) as e:
+        A.AudioEncoder.from_pretrained(tmp_path / "w2v", A.BASE_960H)
+    assert "\n" not in str(e.value) and "does not match" in str(e.value)
+
+
+def test_prompt_embeddings_file(tmp_path):
+    states = torch.randn(8, 16)
+    save_prompt_embeddings(tmp_path / "p.safetensors", states)
+    assert torch.equal(load_prompt_embeddings(tmp_path / "p.safetensors", 8, 16), states)
+    from safetensors.torch import save_file
+
+    save_file({"x": states[None].bfloat16()}, str(tmp_path / "b.safetensors"))
+    assert load_prompt_embeddings(tmp_path / "b.safetensors", 8, 16).dtype == torch.float32
+    for name, bad in [("shape", {"x": torch.randn(8, 15)}),
+                      ("two", {"x": states, "y": states.clone()})]:
+        save_file(bad, str(tmp_path / f"{name}.safetensors"))
+        with pytest.raises(CheckpointError) as e:
+            load_prompt_embeddings(tmp_path / f"{name}.safetensors", 8, 16)
+        assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError):
+        load_prompt_embeddings(tmp_path / "missing.safetensors", 8, 16)
+
+
+def test_tiny_umt5_prompt():
+    a, b = TinyUmt5Prompt(32, 16, seed=3), TinyUmt5Prompt(32, 16, seed=3)
+    prompt = "A woman  talks,\n smiling"
+    x = a.encode(prompt)
+    n = len("A woman talks, smiling") + 1  # cleaned bytes and the end token
+    assert x.shape == (32, 16) and x.dtype == torch.float32
+    assert int(a.ids(prompt)[1].sum()) == n
+    assert torch.equal(x[n:], torch.zeros(32 - n, 16)) and (x[:n].abs().sum(-1) > 0).all()
+    assert torch.equal(x, b.encode(prompt))
+    assert not torch.equal(x, TinyUmt5Prompt(32, 16, seed=4).encode(prompt))
+    long = a.encode("x" * 100)
+    assert (long.abs().sum(-1) > 0).all()  # truncated to the tokens, the end token kept
+
+
+# chunk 1's rows for AudioEncoder(TINY, seed=0) on speechlike(), live window: a change to the
+# features' semantics (mapping, masking, normalization, layout) moves these
+PINNED = ([-0.700701, 0.979002, -1.180135, 0.702612, 0.714772, -0.696146, -0.84114, 2.66199,
+           0.55874, 1.002202, -0.949938, -0.816075], 1251.6129)
+
+
+def test_pinned_chunk_features(encoder, speech):
+    got = A.chunk_features(A.TINY, encoder, A.chunk_window(A.TINY, speech, 1), 1)
+    picks = torch.stack([got[0, :4], got[5, 60:64], got[11, -4:]]).flatten()
+    torch.testing.assert_close(picks, torch.tensor(PINNED[0]), atol=1e-4, rtol=1e-4)
+    assert abs(got.double().abs().sum().item() - PINNED[1]) < 1e-2

@@ -1,0 +1,184 @@
+"""The LiveTalk family's DiT and step on tiny-livetalk: the checkpoint layout, the plain path
+pinned (it equals upstream's model and loop bit for bit in bf16 on the same weights and
+noise; the fixtures below were taken after that check), every switch against the plain path
+over many chunks and position resets, FP8 against fp32, and a session past 1,100 latent
+frames with bounded positions."""
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from charengine.assemble import rank_session
+from charengine.checkpoint import CheckpointError
+from charengine.config import EngineConfig, Numerics
+from charengine.family import family
+from charengine.livetalk.spec import LIVETALK_1_3B, TINY, LiveTalkSwitches
+from charengine.livetalk.weights import load_checkpoint, param_shapes
+from charengine.mapping import Mapping
+
+FAM = family("livetalk")
+FP32 = Numerics(dtype="float32", fp8_gemm=False, fp8_attention=False)
+FAST_FP32 = dataclasses.replace(LiveTalkSwitches(), fp8_kv=False)  # every switch but FP8 KV
+
+
+def session(switches, numerics=FP32, spec=TINY, seed=0):
+    cfg = EngineConfig(model=spec, switches=switches, numerics=numerics)
+    full = FAM.random_weights(spec, seed)
+    tables = FAM.bake_tables(cfg, full) if switches.baked_adaln else None
+    s = rank_session(cfg, FAM.rank_state(cfg, full), Mapping.single("cpu"), tables=tables)
+    g = torch.Generator().manual_seed(1)
+    s.start(torch.randn(spec.latent_channels, spec.latent_h, spec.latent_w, generator=g),
+            torch.randn(spec.prompt_tokens, spec.text_dim, generator=g))
+    return s
+
+
+def inputs(spec, n, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    shapes = FAM.step_shapes(spec)
+    return [(torch.randn(shapes.noise_shape, generator=g),
+             torch.randn(shapes.features, generator=g)) for _ in range(n)]
+
+
+def rollout(s, ins):
+    with torch.inference_mode():
+        return [s.step(n, a) for n, a in ins]
+
+
+def test_the_released_layout_has_upstreams_tensor_count_and_parameters():
+    shapes = param_shapes(LIVETALK_1_3B)
+    assert len(shapes) == 857
+    assert sum(torch.Size(s).numel() for s in shapes.values()) == 1_421_187_232
+    assert shapes["blocks.29.self_attn.q.weight"] == (1536, 1536)
+    assert shapes["audio_proj.proj.weight"] == (32, 43008)
+    assert shapes["audio_cond_projs.13.weight"] == (1536, 32)
+    assert shapes["patch_embedding.weight"] == (1536, 33, 1, 2, 2)
+    assert LIVETALK_1_3B.rope_split == (44, 42, 42)
+    assert LIVETALK_1_3B.frame_tokens == 1024 and LIVETALK_1_3B.cache_frames == 15
+
+
+def test_schedule_is_the_warped_four_passes_with_bf16_timesteps():
+    cfg = EngineConfig(model=TINY)
+    assert cfg.schedule.timesteps == (1000.0, 936.0, 832.0, 624.0)
+    assert [round(s, 6) for s in cfg.schedule.sigmas] == [1.0, 0.9375, 0.833333, 0.625]
+
+
+# the plain path (all switches off, fp32) on seeded tiny-livetalk: per chunk, the latent's
+# sum and mean |x| (taken after the bit-exact bf16 check against upstream's code)
+PLAIN_FIXTURE = [(16.343, 0.91371), (-225.186, 0.99785), (52.782, 0.95636)]
+
+
+def test_plain_path_is_pinned():
+    s = session(LiveTalkSwitches.baseline())
+    outs = rollout(s, inputs(TINY, 3))
+    got = [(round(float(o.sum()), 3), round(float(o.abs().mean()), 5)) for o in outs]
+    assert PLAIN_FIXTURE is not None, got
+    for (sum_, mean), (fs, fm) in zip(got, PLAIN_FIXTURE):
+        assert sum_ == pytest.approx(fs, abs=2e-3) and mean == pytest.approx(fm, abs=2e-5)
+
+
+def test_first_chunk_keeps_the_reference_latent_as_frame_zero():
+    s = session(FAST_FP32)
+    out = rollout(s, inputs(TINY, 1))[0]
+    assert torch.equal(out[:, 0], s.model.ref.float())
+
+
+@pytest.mark.parametrize("arm", LiveTalkSwitches.ORDER)
+def test_each_switch_holds_to_the_plain_path_across_resets(arm):
+    """Every arm of the waterfall against the plain path with the same position policy, 14
+    chunks (four resets) in fp32."""
+    reset = dataclasses.replace(LiveTalkSwitches.baseline(), position_reset=True)
+    sw = dataclasses.replace(LiveTalkSwitches.cumulative(arm), position_reset=True, fp8_kv=False)
+    ins = inputs(TINY, 14)
+    plain, fast = rollout(session(reset), ins), rollout(session(sw), ins)
+    for a, b in zip(plain, fast):
+        assert (a - b).abs().max() < 1e-4, arm
+
+
+def test_the_ring_equals_sliding_the_window():
+    base = LiveTalkSwitches.baseline()
+    ins = inputs(TINY, 9)
+    slide = rollout(session(base), ins)
+    ring = rollout(session(dataclasses.replace(base, ring_cache=True)), ins)
+    for a, b in zip(slide, ring):
+        assert (a - b).abs().max() < 1e-5
+
+
+def test_without_the_reset_positions_grow_as_upstreams_do():
+    s = session(dataclasses.replace(FAST_FP32, position_reset=False))
+    rollout(s, inputs(TINY, 9))
+    assert s.cache.positions.tolist() == [24, 25, 26]
+
+
+def test_fp8_weights_activations_and_kv_stay_near_fp32():
+    ins = inputs(TINY, 12)
+    ref = rollout(session(FAST_FP32), ins)
+    fp8 = rollout(session(LiveTalkSwitches(), Numerics(dtype="bfloat16")), ins)
+    for a, b in zip(ref, fp8):
+        rel = (a - b).norm() / a.norm()
+        assert rel < 0.1, float(rel)
+
+
+def test_a_session_past_1100_latent_frames_keeps_positions_bounded():
+    spec = TINY
+    s = session(LiveTalkSwitches(), Numerics(dtype="bfloat16"))
+    seen = set()
+    chunks = 1101 // spec.chunk_frames + 1
+    with torch.inference_mode():
+        for i, (n, a) in enumerate(inputs(spec, chunks)):
+            out = s.step(n, a)
+            seen.update(s.cache.positions.tolist())
+            assert torch.isfinite(out).all(), i
+    assert s.k * spec.chunk_frames > 1100
+    assert max(seen) == spec.sink_frames + (s.cfg.cache.reset_period + 1) * spec.chunk_frames - 1
+    assert max(seen) < 21  # within the latent frames the model was trained on
+
+
+def test_checkpoint_mismatches_are_one_line_naming_the_tensor(tmp_path):
+    full = FAM.random_weights(TINY, 0)
+    good = tmp_path / "ok.safetensors"
+    save_file(full, str(good))
+    assert set(load_checkpoint(good, TINY)) == set(full)
+    cases = {
+        "missing": ({k: v for k, v in full.items() if k != "blocks.3.ffn.0.bias"},
+                    "missing tensor 'blocks.3.ffn.0.bias'"),
+        "extra": (full | {"blocks.0.self_attn.extra": torch.zeros(1)},
+                  "unexpected tensor 'blocks.0.self_attn.extra'"),
+        "shape": (full | {"head.head.weight": torch.zeros(3, 3)}, "'head.head.weight' has shape"),
+        "dtype": (full | {"head.modulation": torch.zeros(1, 2, TINY.dim, dtype=torch.int32)},
+                  "'head.modulation' has dtype"),
+        "nan": (full | {"audio_cond_projs.1.bias": torch.full((TINY.dim,), float("nan"))},
+                "'audio_cond_projs.1.bias' holds"),
+    }
+    for name, (state, says) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file(state, str(path))
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(path, TINY)
+        assert says in str(e.value) and "\n" not in str(e.value), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_graphed_chunks_replay_what_eager_chunks_compute_on_a_gpu(fp8):
+    """tiny-livetalk on the GPU: the steady and reset chunks replayed from CUDA graphs against
+    the same session stepped eagerly, 14 chunks (four resets)."""
+    sw = LiveTalkSwitches() if fp8 else FAST_FP32
+    nm = Numerics(dtype="bfloat16") if fp8 else Numerics(dtype="bfloat16", fp8_gemm=False,
+                                                         fp8_attention=False)
+    cfg = EngineConfig(model=TINY, switches=sw, numerics=nm)
+    full = FAM.random_weights(TINY, 0)
+    outs = {}
+    for graphed in (False, True):
+        s = rank_session(cfg, FAM.rank_state(cfg, full), Mapping.single("cuda"),
+                         tables=FAM.bake_tables(cfg, full), graphed=graphed)
+        g = torch.Generator().manual_seed(1)
+        s.start(torch.randn(16, TINY.latent_h, TINY.latent_w, generator=g),
+                torch.randn(TINY.prompt_tokens, TINY.text_dim, generator=g))
+        outs[graphed] = [o.cpu() for o in rollout(s, [(n.cuda(), a.cuda())
+                                                      for n, a in inputs(TINY, 14)])]
+        if graphed:
+            assert s.step_fn.ready()
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
