@@ -63,7 +63,7 @@ def uses_quack(cfg, warm) -> dict | None:
     quack-kernels version its objects were compiled with (charrun needs the same), else
     None."""
     planned = any(c.startswith("quack") for w in warm for c in w["gemm_plan"].values())
-    if not (planned or (cfg.switches.gemm_swiglu and cfg.numerics.fp8_gemm)):
+    if not (planned or (getattr(cfg.switches, "gemm_swiglu", False) and cfg.numerics.fp8_gemm)):
         return None
     from importlib.metadata import version
 
@@ -110,20 +110,27 @@ def build(config: BuildConfig, log=print) -> dict:
     compile_kernels = kernels and target.device == "cuda"
     device = build_device(target, compile_kernels)
     side_seed = seed if seed is not None else 0
+    files = dict(config.side_files)
+    file_side = fam.load_side_files(spec, files, side_seed) if files else None
     if weights is not None:
         state, side = fam.load_checkpoint(weights, spec)
         if side:
             fam.check_side(spec, side, str(weights))
+        elif file_side is not None:
+            side = file_side
         elif not random_side_networks:
             raise BuildError(f"{weights}: holds no side networks (tensors under "
-                             f"{', '.join(fam.side_prefixes)}); pass --random-side-networks to build "
-                             "with random ones (the frames are then not the model's)")
+                             f"{', '.join(fam.side_prefixes)}){fam.side_files_hint}; pass "
+                             "--random-side-networks to build with random ones (the frames are "
+                             "then not the model's)")
         state = {k: v.to(device) for k, v in state.items()}
         source = {"checkpoint": str(weights), "sha256": sha256(weights)}
     else:
-        state, side = fam.random_weights(spec, seed, device), {}
+        state, side = fam.random_weights(spec, seed, device), file_side or {}
         source = {"random_seed": seed}
-    side_source = "checkpoint" if side else f"random (seed {side_seed})"
+    side_source = "checkpoint" if side and file_side is None else \
+        f"files ({', '.join(f'{k} {v}' for k, v in files.items())}; the rest random, seed " \
+        f"{side_seed})" if side else f"random (seed {side_seed})"
     if not side:
         side = fam.random_side_state(spec, side_seed)
 

@@ -36,7 +36,10 @@ class BuildConfig:
     part of the layout (a rank slice to benchmark on fewer GPUs; charrun refuses to serve
     it), None every rank. `kernels=False` leaves a GPU target's kernels to be compiled when
     charrun starts. `random_side_networks` lets a checkpoint without side networks build
-    with random ones (seeded by `seed` or 0)."""
+    with random ones (seeded by `seed` or 0). `side_files` names the side networks' own
+    files for a family whose checkpoint holds only the DiT (LiveTalk: "vae" a Wan 2.1 VAE
+    .pth, "wav2vec" a wav2vec2 directory, "prompt_features" a safetensors of umT5 features
+    or "text_encoder" a umT5 directory with "prompt" the text to encode)."""
 
     target: Target | str
     out: Path
@@ -46,11 +49,15 @@ class BuildConfig:
     ranks: tuple[int, ...] | None = None
     kernels: bool = True
     random_side_networks: bool = False
+    side_files: tuple[tuple[str, str], ...] = ()  # (name, path or text) pairs, given ones only
 
     def __post_init__(self):
         object.__setattr__(self, "out", Path(self.out))
         if self.weights is not None:
             object.__setattr__(self, "weights", Path(self.weights))
+        object.__setattr__(self, "side_files", tuple((k, str(v)) for k, v in
+                                                     dict(self.side_files).items()
+                                                     if v not in (None, "")))
         if self.ranks is not None:
             object.__setattr__(self, "ranks", tuple(self.ranks))
         if (self.weights is None) == (self.seed is None):

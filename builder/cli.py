@@ -16,11 +16,11 @@ from .build_config import REPO, BuildConfig, find_target
 # Trained checkpoints shipped in the repository: a preset's weights when none are given.
 EMBEDDED_CHECKPOINTS = {"tiny": REPO / "checkpoints" / "tiny.safetensors"}
 # Presets an engine may be built for with random weights without asking (test sizes).
-EMBEDDED_RANDOM_OK = ("tiny-10h",)
+EMBEDDED_RANDOM_OK = ("tiny-10h", "tiny-livetalk")
 
 
 def config_of(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels,
-              random_side_networks) -> BuildConfig:
+              random_side_networks, side_files=()) -> BuildConfig:
     """The BuildConfig charbuild's flags give: without --weights or --random-weights, the
     preset's embedded checkpoint (or random weights for a test-size preset)."""
     if ranks is not None:
@@ -48,7 +48,7 @@ def config_of(target_name, out, weights, random_weights, seed, preset_name, rank
                                    "for benchmarks)")
     return BuildConfig(target, out, weights=weights, seed=None if weights else seed,
                        preset_name=preset_name, ranks=ranks, kernels=not no_kernels,
-                       random_side_networks=random_side_networks)
+                       random_side_networks=random_side_networks, side_files=side_files)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -58,7 +58,8 @@ def config_of(target_name, out, weights, random_weights, seed, preset_name, rank
               help="Engine directory to write: a new or empty directory, or an engine "
                    "directory, which is replaced once the new engine is complete.")
 @click.option("--weights", type=click.Path(path_type=Path),
-              help="Full-precision safetensors checkpoint of the model (see charengine.characters.weights).")
+              help="Full-precision safetensors checkpoint of the model (its family's layout: "
+                   "charengine/characters/weights.py, charengine/livetalk/weights.py).")
 @click.option("--random-weights", is_flag=True, help="Random weights of the exact shapes.")
 @click.option("--random-side-networks", is_flag=True,
               help="Build from a checkpoint that holds no side networks, with random ones "
@@ -68,11 +69,20 @@ def config_of(target_name, out, weights, random_weights, seed, preset_name, rank
               help="Model preset, overriding the target's.")
 @click.option("--ranks", help="Build only these TP ranks (comma-separated), e.g. one rank's "
                               "slice to benchmark on one GPU; charrun does not serve it.")
+@click.option("--vae", type=click.Path(path_type=Path),
+              help="LiveTalk: the Wan 2.1 VAE (Wan2.1_VAE.pth; read with weights_only).")
+@click.option("--wav2vec", type=click.Path(path_type=Path),
+              help="LiveTalk: a local wav2vec2-base-960h directory (transformers).")
+@click.option("--prompt-features", type=click.Path(path_type=Path),
+              help="LiveTalk: the prompt as umT5-XXL features [512, 4096] in a safetensors file.")
+@click.option("--text-encoder", type=click.Path(path_type=Path),
+              help="LiveTalk: a local umT5 encoder directory (transformers) to encode --prompt.")
+@click.option("--prompt", default="", help="LiveTalk: the prompt --text-encoder encodes.")
 @click.option("--no-kernels", is_flag=True,
               help="Do not compile a GPU target's kernels into the engine (charrun compiles "
                    "them at every start); lets a GPU engine be built without its GPU.")
 def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels,
-         random_side_networks):
+         random_side_networks, vae, wav2vec, prompt_features, text_encoder, prompt):
     """Bake a per-rank engine: FP8 weights and scales, AdaLN tables for the fixed schedule,
     side networks, a GPU target's compiled kernels (built on that GPU), and a manifest with
     checksums that charrun checks before loading."""
@@ -87,8 +97,10 @@ def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no
 
     signal.signal(signal.SIGTERM, on_sigterm)
 
+    side_files = {"vae": vae, "wav2vec": wav2vec, "prompt_features": prompt_features,
+                  "text_encoder": text_encoder, "prompt": prompt}
     config = config_of(target_name, out, weights, random_weights, seed, preset_name, ranks,
-                       no_kernels, random_side_networks)
+                       no_kernels, random_side_networks, side_files)
     try:
         m = build(config, log=lambda s: click.echo(s, err=True))
     except (CheckpointError, ValueError) as e:

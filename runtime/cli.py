@@ -30,9 +30,9 @@ def percentiles(ms: list[float]) -> dict[str, float]:
     return {"p50": qs[49], "p90": qs[89], "p99": qs[98], "max": max(ms)}
 
 
-def summary_table(times, steps_done: int, wall_s: float, fps: int, frames_per_latent: int):
-    t = Table(title=f"{steps_done} steps, {steps_done * frames_per_latent} frames in "
-                    f"{wall_s:.2f} s ({steps_done * frames_per_latent / max(wall_s, 1e-9):.1f} fps "
+def summary_table(times, steps_done: int, frames: int, wall_s: float, fps: int):
+    t = Table(title=f"{steps_done} steps, {frames} frames in "
+                    f"{wall_s:.2f} s ({frames / max(wall_s, 1e-9):.1f} fps "
                     f"generated; real time is {fps})")
     t.add_column("ms per step")
     for c in ("p50", "p90", "p99", "max"):
@@ -332,7 +332,7 @@ def render_file(cfg: RunConfig, image_fit: ImageFit) -> None:
                                    f"({type(e).__name__}: {e}); {holds(cfg, result)}") from None
     worker.close()
     wall = time.perf_counter() - progress.t0
-    err.print(summary_table(result.times, result.steps, wall, spec.fps, spec.frames_per_latent))
+    err.print(summary_table(result.times, result.steps, result.frames, wall, spec.fps))
     click.echo(f"wrote {cfg.out}: {result.frames} frames at {spec.fps} fps with audio")
 
 

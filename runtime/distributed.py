@@ -66,10 +66,11 @@ def fused_exchange(cfg, mapping: Mapping, peer_devices: list[str]):
     from charengine.plugins import gemm_allreduce
 
     device = mapping.torch_device
+    if not getattr(cfg.switches, "fused_gemm_allreduce", False):  # a family without the fusion
+        return None
     steady = (cfg.model.tokens_per_frame, cfg.model.dim)
     symmetric = gemm_allreduce.symmetric_memory_available(device, peer_devices)
-    if not (cfg.switches.fused_gemm_allreduce
-            and gemm_allreduce.use_fused(device, mapping.tp, steady, steady, symmetric)):
+    if not gemm_allreduce.use_fused(device, mapping.tp, steady, steady, symmetric):
         return None
     x = gemm_allreduce.Exchange.symmetric(mapping.group, *steady, device)
     return gemm_allreduce.SymmetricGemmAllReduce(x)
@@ -177,7 +178,7 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                     feats = torch.empty(shapes.features)
                     dist.broadcast(feats, 0)
                     t0 = time.monotonic()
-                    latent = session.step(torch.randn(shapes.latent, generator=g).to(device),
+                    latent = session.step(torch.randn(shapes.noise_shape, generator=g).to(device),
                                           feats.to(device)).cpu()
                     times.append((t0, time.monotonic()))
                     if rank == 0:
@@ -384,6 +385,10 @@ class DistributedWorker:
             self._remove_log_dir()
 
     # ---- sessions -------------------------------------------------------------------
+    def on_side_stream(self, fn, *inputs):
+        """As Worker's: here the side networks have the host process's device to themselves."""
+        return fn(*inputs)
+
     @torch.inference_mode()
     def start(self, image: torch.Tensor, prompt: str) -> None:
         self.ensure_ranks()
@@ -410,7 +415,7 @@ class DistributedWorker:
                 if i < steps:
                     t0 = time.monotonic()
                     window = self.family.audio_window(spec, speech, i).to(self.decoder_device)
-                    feats = self.side.audio_encoder(window).cpu().contiguous()
+                    feats = self.family.encode_audio(self.side, spec, window, i).cpu().contiguous()
                     times.audio.append((t0, time.monotonic()))
                     dist.broadcast(feats, 0)
                 if i >= 1:
@@ -477,8 +482,9 @@ class RemotePipeline(Pipeline):
 
 
 def open_worker(engine: Engine):
-    """The worker for an engine's layout: TP-1 in this process, else rank 0 of a group."""
-    if engine.config.tp == 1:
+    """The worker for an engine's layout: TP-1 in this process, else (or where the target
+    puts its ranks in processes of their own) rank 0 of a group."""
+    if not engine.target.mapping(0).host_process:
         from .worker import Worker
 
         return Worker(engine)

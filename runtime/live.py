@@ -81,6 +81,10 @@ class LiveSession:
         self.speech = SpeechBuffer()
         self.family = worker.family
         self.history = torch.zeros(self.family.window_samples(self.spec))
+        # speech taken but not yet played: a step's audio window reaches `lookahead` samples
+        # past its frames, so playback runs that far behind what the encoder has heard
+        self.lookahead = self.family.lookahead_samples(self.spec)
+        self.unplayed = torch.zeros(0)
         self.epoch = 0  # bumped by each barge-in; steps carry the epoch they were encoded in
         self.epoch_lock = threading.Lock()
         self.pacer = Pacer(publish, self.spec.fps, self.spec.frames_per_latent, slack,
@@ -129,11 +133,15 @@ class LiveSession:
     # ---- pipeline side ----------------------------------------------------------------
     def _encode_audio(self, i: int):
         a, b = self.family.step_bounds(self.spec, i)
+        take = b - a + (self.lookahead if i == 0 else 0)
         with self.epoch_lock:
-            chunk, voiced, ended = self.speech.take(b - a)
+            heard, voiced, ended = self.speech.take(take)
             epoch = self.epoch
-        self.history = torch.cat([self.history, chunk])[-self.history.numel():]
-        feats = self.worker.side.audio_encoder(self.history.to(self.worker.decoder_device))
+        self.history = torch.cat([self.history, heard])[-self.history.numel():]
+        feats = self.worker.on_side_stream(lambda x: self.family.encode_audio(
+            self.worker.side, self.spec, x.to(self.worker.decoder_device), i), self.history)
+        self.unplayed = torch.cat([self.unplayed, heard])
+        chunk, self.unplayed = self.unplayed[: b - a], self.unplayed[b - a:]
         return feats, (chunk, voiced, ended, epoch)
 
     def _sink(self, i: int, frames: torch.Tensor, meta) -> None:

@@ -106,7 +106,7 @@ class Pacer:
                 step = self.queue.pop(0)
                 self.playing = True
                 epoch = self.epoch
-                begin = self.playout.start(self.clock())
+                begin = self.playout.start(self.clock(), step.frames.shape[0])
                 self.cv.notify_all()
             audio = split_audio(step.audio, step.frames.shape[0])
             for j in range(step.frames.shape[0]):

@@ -30,8 +30,9 @@ class Playout:
         """Frames dropped (a barge-in) give back their slots: the next step may start at t."""
         self.next_slot = t
 
-    def start(self, ready: float) -> float:
-        """A step that is ready at `ready` starts playing at the returned time."""
+    def start(self, ready: float, frames: int | None = None) -> float:
+        """A step that is ready at `ready` starts playing at the returned time; `frames`
+        (default frames_per_step) is how many frames it plays."""
         if self.next_slot is None:
             begin = ready
         elif ready > self.next_slot:
@@ -39,7 +40,7 @@ class Playout:
             begin = ready
         else:
             begin = self.next_slot
-        self.next_slot = begin + self.step_s
+        self.next_slot = begin + (self.step_s if frames is None else frames / self.fps)
         return begin
 
 

@@ -124,7 +124,7 @@ class Server:
         spec = self.worker.spec
         return web.json_response({"state": "streaming" if self.session else "ready",
                                   "sessions": self.sessions, "last_error": self.last_error,
-                                  "model": spec.name, "fps": spec.fps})
+                                  "model": spec.name, "family": spec.FAMILY, "fps": spec.fps})
 
     def _read_media(self, body: dict):
         """The offer's image and speech, decoded (on an executor thread)."""

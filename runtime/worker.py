@@ -66,6 +66,29 @@ class Worker:
             self.family.warm_up_side(self.side, spec, self.decoder_device)
         self.startup = {"load_s": t1 - t0, "warm_up_s": time.perf_counter() - t1,
                         "warm_up_steps": steps}
+        # the side networks' own stream on a GPU: decoding and audio encoding overlap the
+        # diffusion where they share its GPU
+        self.side_stream = torch.cuda.Stream(self.decoder_device) \
+            if self.decoder_device.type == "cuda" else None
+
+    def on_side_stream(self, fn, *inputs, after=None):
+        """fn(*inputs) on the side stream, after the event `after` (else, where an input is on
+        the GPU, after the work queued so far on the current stream, which made it). The
+        result is complete on return, and a GPU result is the current stream's own copy (the
+        side stream's memory may be reused at once)."""
+        if self.side_stream is None:
+            return fn(*inputs)
+        if after is not None:
+            self.side_stream.wait_event(after)
+        elif any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.decoder_device))
+        with torch.cuda.stream(self.side_stream):
+            for x in inputs:
+                if isinstance(x, torch.Tensor) and x.is_cuda:
+                    x.record_stream(self.side_stream)
+            out = fn(*inputs)
+        self.side_stream.synchronize()
+        return out.clone() if isinstance(out, torch.Tensor) and out.is_cuda else out
 
     @property
     def compiles(self) -> int:
@@ -92,14 +115,21 @@ class Worker:
         # Noise from a seeded CPU generator, as every TP rank makes it: a seed gives the same
         # noise on any device and layout (CUDA generators' streams differ from the CPU's).
         g = torch.Generator().manual_seed(seed)
-        shape = self.family.step_shapes(self.spec).latent
+        shape = self.family.step_shapes(self.spec).noise_shape
 
         def diffuse(i, feats):
             noise = torch.randn(shape, generator=g).to(self.device)
-            return self.session.step(noise, feats.to(self.device))
+            latent = self.session.step(noise, feats.to(self.device))
+            if self.side_stream is None:
+                return latent, None
+            done = torch.cuda.Event()
+            done.record()  # the decoder waits for this step only, not for the next one's work
+            return latent, done
 
-        def decode(latent):
-            return self.side.decoder(latent.to(self.decoder_device)).cpu()
+        def decode(item):
+            latent, done = item
+            return self.on_side_stream(
+                lambda x: self.side.decoder(x.to(self.decoder_device)).cpu(), latent, after=done)
 
         return Pipeline(encode_audio, diffuse, decode)
 
@@ -107,7 +137,8 @@ class Worker:
         """Generate `steps` latents for `speech` (16 kHz mono) and hand each step's frames to
         `sink(i, frames)`."""
         def encode_audio(i):
-            w = self.family.audio_window(self.spec, speech, i).to(self.decoder_device)
-            return self.side.audio_encoder(w)
+            w = self.family.audio_window(self.spec, speech, i)  # on the host: no wait
+            return self.on_side_stream(lambda x: self.family.encode_audio(
+                self.side, self.spec, x.to(self.decoder_device), i), w)
 
         return self.pipeline(encode_audio, seed).run(steps, sink)

@@ -162,3 +162,26 @@ def test_a_rank_that_dies_mid_session_is_told_to_the_page_and_the_next_session_r
     finally:
         out = _end(server)
     assert "Traceback" not in out, out
+
+
+def test_the_page_streams_livetalk_at_16fps_to_chromium(netns, tmp_path):
+    server, url = _serve(netns, build_target(tmp_path, "cpu-tiny-livetalk"), 8767)
+    try:
+        r = subprocess.run(_in_ns(netns, sys.executable, str(ROOT / "tests/browser_client.py"),
+                                  "--url", url, "--image", str(ROOT / "assets/face.png"),
+                                  "--speech", str(ROOT / "assets/speech.wav"), "--seconds", "4",
+                                  "--shot", str(tmp_path / "page.png")),
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        stats = json.loads(r.stdout.strip().splitlines()[-1])
+        first, last = stats["first"], stats["last"]
+        fps = (last["video"]["framesDecoded"] - first["video"]["framesDecoded"]) / stats["elapsed"]
+        assert 13 <= fps <= 19, stats
+        assert last["video"]["frameWidth"] == 64
+        samples = last["audio"]["totalSamplesReceived"] - first["audio"]["totalSamplesReceived"]
+        assert samples > 0.8 * 48000 * stats["elapsed"], stats
+        status = json.loads(_get(netns, url + "status"))
+        assert status["model"] == "tiny-livetalk" and status["fps"] == 16
+    finally:
+        out = _end(server)
+    assert "Traceback" not in out, out
