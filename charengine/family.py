@@ -133,6 +133,38 @@ class Family(Protocol):
         ...
 
 
+class FamilyModules:
+    """The members every family delegates to its own modules the same way (its package's
+    `sidenets`, `warmup` and `weights`), for a family class to inherit: `package` names the
+    family's package."""
+
+    package: str
+
+    def _module(self, name: str):
+        return importlib.import_module(f"{self.package}.{name}")
+
+    def param_shapes(self, spec) -> dict[str, tuple[int, ...]]:
+        return self._module("weights").param_shapes(spec)
+
+    def warm_up(self, session) -> int:
+        return self._module("warmup").warm_up(session)
+
+    def random_side_state(self, spec, seed: int) -> dict:
+        return self._module("sidenets").random_side_state(spec, seed)
+
+    def check_side(self, spec, side: dict, where: str) -> None:
+        self._module("sidenets").check_side(spec, side, where)
+
+    def load_side(self, spec, side: dict, device="cpu"):
+        return self._module("sidenets").load_side(spec, side, device)
+
+    def warm_up_side(self, side, spec, device) -> None:
+        self._module("warmup").warm_up_side(side, spec, device)
+
+    def block_linear_params(self, spec) -> int:
+        return spec.block_linear_params()
+
+
 def family(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"unknown model family {name!r}; known: {', '.join(sorted(FAMILIES))}")

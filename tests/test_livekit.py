@@ -355,3 +355,36 @@ def test_a_rank_that_dies_ends_the_livekit_job_with_the_error(tmp_path):
         assert worker.alive()
     finally:
         worker.close()
+
+
+def test_a_livetalk_avatar_publishes_16fps_frames_each_with_its_audio(tmp_path):
+    lt = Worker(Engine.load(build_target(tmp_path, "cpu-tiny-livetalk")))
+
+    async def scenario():
+        room = Room()
+        gen = CharacterVideoGenerator(lt, torch.rand(3, 64, 64), audio_rate=48000)
+        await gen.start()
+        tap = Tap(gen)
+        audio = lk.QueueAudioOutput(sample_rate=48000)
+        runner = lk.AvatarRunner(room, audio_recv=audio, video_gen=tap, options=gen.options())
+        await runner.start()
+        await until(lambda: len(tap.items) >= 9, 30)
+        for f in tone(1.0, 48000):
+            await audio.capture_frame(f)
+        audio.flush()
+        ok = await until(lambda: any(isinstance(x, lk.AudioSegmentEnd)
+                                     for _, x in tap.items), 30)
+        await runner.aclose()
+        await gen.aclose()
+        return ok, tap.items, gen.options()
+
+    ok, items, options = asyncio.run(scenario())
+    assert ok and options.video_fps == 16
+    kinds = [type(x).__name__ for _, x in items]
+    end = kinds.index("AudioSegmentEnd")
+    audio_frames = [x for _, x in items[:end] if isinstance(x, rtc.AudioFrame)]
+    assert audio_frames and all(f.samples_per_channel == 3000 for f in audio_frames)  # 48k/16
+    for i, k in enumerate(kinds[:end]):
+        if k == "AudioFrame":
+            assert kinds[i - 1] == "VideoFrame"
+    assert 1.0 <= len(audio_frames) / 16 <= 1.0 + 12 / 16 + 1e-6  # whole chunks

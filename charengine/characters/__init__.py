@@ -6,8 +6,11 @@ the family costs nothing."""
 
 from __future__ import annotations
 
+from ..family import FamilyModules
 
-class Characters:
+
+class Characters(FamilyModules):
+    package = __name__
     name = "characters"
 
     @property
@@ -55,11 +58,6 @@ class Characters:
         from .sidenets import PREFIXES
 
         return PREFIXES
-
-    def param_shapes(self, spec):
-        from .weights import param_shapes
-
-        return param_shapes(spec)
 
     def load_checkpoint(self, path, spec):
         from .sidenets import PREFIXES
@@ -109,11 +107,6 @@ class Characters:
         return rank_session(cfg, state, mapping, tables, gemm_plan, exchange, graphed,
                             **options)
 
-    def warm_up(self, session) -> int:
-        from .warmup import warm_up
-
-        return warm_up(session)
-
     def gemm_problems(self, cfg, state, mapping):
         from .ops import gemm_problems
 
@@ -145,29 +138,6 @@ class Characters:
         from .audio import step_window
 
         return step_window(spec, speech, k)
-
-    def random_side_state(self, spec, seed: int):
-        from .sidenets import random_side_state
-
-        return random_side_state(spec, seed)
-
-    def check_side(self, spec, side, where: str) -> None:
-        from .sidenets import check_side
-
-        check_side(spec, side, where)
-
-    def load_side(self, spec, side, device="cpu"):
-        from .sidenets import load_side
-
-        return load_side(spec, side, device)
-
-    def warm_up_side(self, side, spec, device) -> None:
-        from .warmup import warm_up_side
-
-        warm_up_side(side, spec, device)
-
-    def block_linear_params(self, spec) -> int:
-        return spec.block_linear_params()
 
 
 FAMILY = Characters()

@@ -6,8 +6,11 @@ the family costs nothing."""
 
 from __future__ import annotations
 
+from ..family import FamilyModules
 
-class LiveTalk:
+
+class LiveTalk(FamilyModules):
+    package = __name__
     name = "livetalk"
 
     @property
@@ -58,11 +61,6 @@ class LiveTalk:
                                path.get("prompt_features"), path.get("text_encoder"),
                                files.get("prompt", ""), seed)
 
-    def param_shapes(self, spec):
-        from .weights import param_shapes
-
-        return param_shapes(spec)
-
     def load_checkpoint(self, path, spec):
         """(DiT state, {}): LiveTalk's side networks come from their own files
         (load_side_files)."""
@@ -102,11 +100,6 @@ class LiveTalk:
         from .rank import rank_session
 
         return rank_session(cfg, state, mapping, tables, gemm_plan, graphed, **options)
-
-    def warm_up(self, session) -> int:
-        from .warmup import warm_up
-
-        return warm_up(session)
 
     def gemm_problems(self, cfg, state, mapping):
         from .rank import gemm_problems
@@ -152,29 +145,6 @@ class LiveTalk:
     def lookahead_samples(self, spec) -> int:
         a = spec.audio
         return a.lookahead_frames * a.sample_rate // a.fps
-
-    def random_side_state(self, spec, seed: int):
-        from .sidenets import random_side_state
-
-        return random_side_state(spec, seed)
-
-    def check_side(self, spec, side, where: str) -> None:
-        from .sidenets import check_side
-
-        check_side(spec, side, where)
-
-    def load_side(self, spec, side, device="cpu"):
-        from .sidenets import load_side
-
-        return load_side(spec, side, device)
-
-    def warm_up_side(self, side, spec, device) -> None:
-        from .warmup import warm_up_side
-
-        warm_up_side(side, spec, device)
-
-    def block_linear_params(self, spec) -> int:
-        return spec.block_linear_params()
 
 
 FAMILY = LiveTalk()
