@@ -118,7 +118,9 @@ def test_a_live_session_speaks_listens_and_barges_in(engine_dir):
     s.start(torch.rand(3, TINY.out_h, TINY.out_w))
     assert wait_until(lambda: len(log) >= 9, 30)
     assert not any(v for _, v, _ in log)  # listening: silent audio
-    s.say(torch.randn(16000 * 4) * 0.1)
+    speech = torch.randn(16000 * 4) * 0.1
+    for frame in speech.split(320):  # as it arrives: 20 ms frames
+        s.say(frame)
     assert wait_until(lambda: sum(v for _, v, _ in log) >= 24, 30)
     t_int = s.interrupt()
     time.sleep(1.0)
