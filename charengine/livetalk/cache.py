@@ -54,7 +54,15 @@ class ChunkCache:
     def new_session(self) -> None:
         self.chunk.zero_()
         self.quantized = False
-        self.text_k = self.text_v = None
+
+    def keep_text(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The session's cross-attention K/V, in the same buffers every session (captured
+        graphs read them)."""
+        if self.text_k is None:
+            self.text_k, self.text_v = k.contiguous(), v.contiguous()
+        else:
+            self.text_k.copy_(k)
+            self.text_v.copy_(v)
 
     # ---- what the host knows from its chunk count -------------------------------------
     def valid_slots(self, c: int) -> int:

@@ -118,20 +118,29 @@ class LiveTalkDiT:
         [prompt_tokens, text_dim]: the conditioning inputs, the text context and, with
         text_kv_once, every block's cross-attention K/V."""
         spec, dt = self.spec, self.dtype
-        self.ref = ref_latent.to(self.device, dt)
-        ref = self.ref[:, None].expand(-1, spec.chunk_frames, -1, -1)
+        ref = ref_latent.to(self.device, dt)
+        frames = ref[:, None].expand(-1, spec.chunk_frames, -1, -1)
         mask = torch.ones(1, spec.chunk_frames, spec.latent_h, spec.latent_w, device=self.device,
                           dtype=dt)
-        self.y_next = torch.cat([ref, mask]).contiguous()
         mask_first = mask.clone()
         mask_first[:, 0] = 0
-        self.y_first = torch.cat([ref, mask_first]).contiguous()
         x = prompt.to(self.device, dt)
-        self.context = self.linear("text_embedding.2", gelu(self.linear("text_embedding.0", x)))
+        context = self.linear("text_embedding.2", gelu(self.linear("text_embedding.0", x)))
+        # written into the same tensors every session: captured graphs read these buffers
+        self._keep("ref", ref)
+        self._keep("y_next", torch.cat([frames, mask]))
+        self._keep("y_first", torch.cat([frames, mask_first]))
+        self._keep("context", context)
         if self.cfg.switches.text_kv_once:
             kv = [self.cross_kv(b) for b in range(spec.n_blocks)]
-            cache.text_k = torch.stack([k for k, _ in kv])
-            cache.text_v = torch.stack([v for _, v in kv])
+            cache.keep_text(torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]))
+
+    def _keep(self, name: str, value: torch.Tensor) -> None:
+        """Set buffer `name` to value: in place once it exists."""
+        if getattr(self, name) is None:
+            setattr(self, name, value.contiguous())
+        else:
+            getattr(self, name).copy_(value)
 
     def cross_kv(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block b's cross-attention k, v [heads, prompt_tokens, head_dim]."""
