@@ -128,9 +128,13 @@ def build(config: BuildConfig, log=print) -> dict:
     else:
         state, side = fam.random_weights(spec, seed, device), file_side or {}
         source = {"random_seed": seed}
-    side_source = "checkpoint" if side and file_side is None else \
-        f"files ({', '.join(f'{k} {v}' for k, v in files.items())}; the rest random, seed " \
-        f"{side_seed})" if side else f"random (seed {side_seed})"
+    if file_side is not None:
+        named = ", ".join(f"{k} {v}" for k, v in files.items())
+        side_source = f"files ({named}; the rest random, seed {side_seed})"
+    elif side:
+        side_source = "checkpoint"
+    else:
+        side_source = f"random (seed {side_seed})"
     if not side:
         side = fam.random_side_state(spec, side_seed)
 
