@@ -27,15 +27,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
-              w_scale: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False):
+              w_scale: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False,
+              bias: torch.Tensor | None = None):
     """(a_q * a_scale) @ (w_q * w_scale).T with a_q [M, K], a_scale [M, 1], w_q [N, K],
-    w_scale [N]."""
+    w_scale [N]; with `bias` [N] (in out_dtype) added before the one rounding, as the GEMM's
+    epilogue adds it."""
     if a_q.is_cuda:
         return torch._scaled_mm(a_q, w_q.t(), scale_a=a_scale.float(),
-                                scale_b=w_scale.float()[None, :], out_dtype=out_dtype,
-                                use_fast_accum=fast_accum)
-    out = a_q.float() @ w_q.float().t()
-    return (out * a_scale * w_scale[None, :]).to(out_dtype)
+                                scale_b=w_scale.float()[None, :], bias=bias,
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+    out = (a_q.float() @ w_q.float().t()) * a_scale * w_scale[None, :]
+    return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
 def quant_dequant_rows(x: torch.Tensor) -> torch.Tensor:
@@ -56,3 +58,10 @@ def index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Ten
     if dst.dtype == FP8:
         dst, src = dst.view(torch.uint8), src.view(torch.uint8)
     dst.index_copy_(dim, index, src)
+
+
+def cat(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat that also works for FP8 tensors (joined as their bytes)."""
+    if tensors[0].dtype != FP8:
+        return torch.cat(tensors, dim)
+    return torch.cat([t.view(torch.uint8) for t in tensors], dim).view(FP8)

@@ -31,3 +31,10 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     """RMS-norm over the last (head) dimension in fp32, result in x's dtype."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def rms_norm_width(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over the whole last dimension in fp32, rounded to x's dtype before the weight
+    (LiveTalk's q/k norm across all heads, in its own order)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight

@@ -177,11 +177,24 @@ def test_graphed_chunks_replay_what_eager_chunks_compute_on_a_gpu(fp8):
         if graphed:  # as charrun does: the graphs come from a warm-up session of other inputs
             FAM.warm_up(s)
         g = torch.Generator().manual_seed(1)
-        s.start(torch.randn(16, TINY.latent_h, TINY.latent_w, generator=g),
-                torch.randn(TINY.prompt_tokens, TINY.text_dim, generator=g))
-        outs[graphed] = [o.cpu() for o in rollout(s, [(n.cuda(), a.cuda())
-                                                      for n, a in inputs(TINY, 14)])]
+        with torch.inference_mode():  # as charrun's worker steps a session
+            s.start(torch.randn(16, TINY.latent_h, TINY.latent_w, generator=g),
+                    torch.randn(TINY.prompt_tokens, TINY.text_dim, generator=g))
+            outs[graphed] = [o.cpu() for o in rollout(s, [(n.cuda(), a.cuda())
+                                                          for n, a in inputs(TINY, 14)])]
         if graphed:
             assert s.step_fn.ready()
     for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
+
+
+def test_the_fused_pre_attention_equals_the_unfused_path_on_the_cpu():
+    """With the FP8 cache in use, the fused pre-attention's reference (what the CPU runs)
+    gives the unfused path's chunks exactly, across a reset."""
+    ins = inputs(TINY, 10)
+    nm = Numerics(dtype="bfloat16")
+    fused = rollout(session(LiveTalkSwitches(), nm), ins)
+    apart = rollout(session(dataclasses.replace(LiveTalkSwitches(), fused_pre_attention=False),
+                            nm), ins)
+    for a, b in zip(fused, apart):
         assert torch.equal(a, b)

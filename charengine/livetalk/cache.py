@@ -14,7 +14,9 @@ frames sit at c * chunk_frames, as upstream (unbounded).
 
 FP8 KV (fp8_kv): the first cache.calibration_chunks chunks write the bf16 cache; then the
 per-(block, head) scales are set from its |max| (with cache.scale_margin), the cache is
-quantized once, and later chunks write and read FP8."""
+quantized once, and later chunks write and read FP8. The FP8 values are stored [blocks,
+heads, head_dim, slots] (the layout the FP8 attention kernel's P V dot reads fast,
+plugins/attention.py), the keys [blocks, heads, slots, head_dim]."""
 
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ class ChunkCache:
         self.v = torch.zeros(shape, dtype=dtype, device=dev)
         if self.fp8_kv:
             self.k8 = torch.zeros(shape, dtype=fp8.FP8, device=dev)
-            self.v8 = torch.zeros(shape, dtype=fp8.FP8, device=dev)
+            self.v8 = torch.zeros(shape, dtype=fp8.FP8, device=dev).transpose(2, 3) \
+                .contiguous()  # [blocks, heads, head_dim, slots]
             self.scale = torch.ones(spec.n_blocks, 2, spec.n_heads, 1, 1, device=dev)
         self.quantized = False  # host: the FP8 cache is in use (after calibration)
         self.chunk = torch.zeros((), dtype=torch.long, device=dev)  # chunks committed
@@ -106,7 +109,8 @@ class ChunkCache:
             self.delta_rotate()
 
     def _stores(self):
-        return (self.k8, self.v8) if self.quantized else (self.k, self.v)
+        """The caches in use, each seen [blocks, heads, slots, head_dim]."""
+        return (self.k8, self.v8.transpose(2, 3)) if self.quantized else (self.k, self.v)
 
     def delta_rotate(self) -> None:
         """Turn every cached window key back by reset_period chunks of positions."""
@@ -129,7 +133,8 @@ class ChunkCache:
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         if self.quantized:
             fp8.index_copy_(self.k8[b], 1, self.write_index, fp8.quantize(k, self.scale[b, 0]))
-            fp8.index_copy_(self.v8[b], 1, self.write_index, fp8.quantize(v, self.scale[b, 1]))
+            fp8.index_copy_(self.v8[b], 2, self.write_index,
+                            fp8.quantize(v, self.scale[b, 1]).transpose(1, 2))
         else:
             self.k[b].index_copy_(1, self.write_index, k.to(self.dtype))
             self.v[b].index_copy_(1, self.write_index, v.to(self.dtype))
@@ -137,9 +142,20 @@ class ChunkCache:
     def read(self, b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block b's first n slots' k, v [heads, n, head_dim] in the model's dtype."""
         if self.quantized:
-            return (fp8.dequantize(self.k8[b, :, :n], self.scale[b, 0], self.dtype),
-                    fp8.dequantize(self.v8[b, :, :n], self.scale[b, 1], self.dtype))
+            k8, v8, ks, vs = self.read_fp8(b, n)
+            return fp8.dequantize(k8, ks, self.dtype), fp8.dequantize(v8, vs, self.dtype)
         return self.k[b, :, :n], self.v[b, :, :n]
+
+    def stores_fp8(self, b: int):
+        """Block b's FP8 stores as the fused pre-attention writes them: k8, v8 [heads, slots,
+        head_dim] views and their per-head scales [heads, 1, 1]."""
+        return self.k8[b], self.v8[b].transpose(1, 2), self.scale[b, 0], self.scale[b, 1]
+
+    def read_fp8(self, b: int, n: int):
+        """Block b's first n slots as they lie in the FP8 cache: k8, v8 [heads, n, head_dim]
+        views (v8's slots contiguous) and their per-head scales [heads, 1, 1]."""
+        return (self.k8[b, :, :n], self.v8[b, :, :, :n].transpose(1, 2), self.scale[b, 0],
+                self.scale[b, 1])
 
     def calibrate(self, n: int) -> None:
         """Set the FP8 scales from the first n slots of every block and quantize them."""
@@ -148,5 +164,5 @@ class ChunkCache:
         margin = self.cfg.cache.scale_margin
         self.scale.copy_((amax.clamp_min(fp8.TINY) * margin / fp8.FP8_MAX)[..., None, None])
         self.k8.copy_(fp8.quantize(self.k, self.scale[:, 0]))
-        self.v8.copy_(fp8.quantize(self.v, self.scale[:, 1]))
+        self.v8.copy_(fp8.quantize(self.v, self.scale[:, 1]).transpose(2, 3))
         self.quantized = True

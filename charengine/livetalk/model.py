@@ -16,16 +16,11 @@ import torch.nn.functional as F
 
 from .. import fp8
 from ..ops import gated_residual, modulate
+from ..ops import rms_norm_width as rms_norm
+from ..plugins import act_quant, attention, pre_attention_width
 from .cache import ChunkCache
-from .rope import apply_complex, apply_tables
+from .rope import ComplexRotation, TableRotation
 from .spec import LiveTalkSpec
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm over the whole width in fp32, rounded to x's dtype before the weight (the
-    model's own order)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -52,10 +47,19 @@ class LiveTalkDiT:
         self.dtype = getattr(torch, cfg.numerics.dtype)
         self.w = {k: v.to(self.device) if v.dtype == fp8.FP8 or k.endswith("weight_scale")
                   else v.to(self.device, self.dtype) for k, v in state.items()}
+        sw = cfg.switches
+        if sw.fused_qkv:
+            self.w = fuse_qkv(self.w, self.spec.n_blocks)
         self.fast_accum = cfg.numerics.fast_accum and self.device.type == "cuda"
         self.gemms = self._gemms(gemm_plan or {})
         self.audio_at = audio_block_index(self.spec)
-        sw = cfg.switches
+        # the kernels, chosen once: fused quantization (kernels on CUDA tensors, their
+        # references on CPU ones) or the plain per-linear quantization
+        self.fp8_linears = any(v.dtype == fp8.FP8 for v in self.w.values())
+        self.act = act_quant.select() if sw.fused_act_quant else act_quant.plain()
+        self.attend8 = attention.select(self.spec.head_dim)
+        self.pre_attention = pre_attention_width.op if sw.fused_pre_attention else None
+        self.ones = torch.ones(self.spec.dim, device=self.device, dtype=self.dtype)
         if sw.baked_adaln:
             tables = tables if tables is not None else self.bake_tables()
             self.adaln = tables["adaln_table"].to(self.device, self.dtype)
@@ -72,15 +76,20 @@ class LiveTalkDiT:
             return {}
         return {kind: gemm.select(choice, "plain", self.device) for kind, choice in plan.items()}
 
-    def linear(self, name: str, x: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+    def linear(self, name: str, x, kind: str | None = None) -> torch.Tensor:
+        """x: activations, or (for FP8 weights) their per-token quantization (q, scale),
+        made once by the caller for the linears that share it."""
         w, b = self.w[f"{name}.weight"], self.w[f"{name}.bias"]
         if w.dtype != fp8.FP8:
             return F.linear(x, w, b)
-        aq, a_s = fp8.quantize_rows(x.reshape(-1, x.shape[-1]))
-        gemm = self.gemms.get(kind, fp8.scaled_mm) if x.shape[0] == self.spec.chunk_tokens \
+        aq, a_s = x if isinstance(x, tuple) else \
+            self.act.quantize_rows(x.reshape(-1, x.shape[-1]))
+        gemm = self.gemms.get(kind, fp8.scaled_mm) if aq.shape[0] == self.spec.chunk_tokens \
             else fp8.scaled_mm
-        out = gemm(aq, a_s, w, self.w[f"{name}.weight_scale"], self.dtype, self.fast_accum)
-        return out + b
+        ws = self.w[f"{name}.weight_scale"]
+        if gemm is fp8.scaled_mm and self.cfg.switches.gemm_bias:
+            return gemm(aq, a_s, w, ws, self.dtype, self.fast_accum, bias=b)
+        return gemm(aq, a_s, w, ws, self.dtype, self.fast_accum) + b
 
     # ---- the timestep's modulation -------------------------------------------------------
     def time_embedding(self, timestep: float) -> torch.Tensor:
@@ -164,10 +173,8 @@ class LiveTalkDiT:
     def rope(self, cache: ChunkCache):
         """The chunk's rotation from the cache's positions: fp32 tables or complex128."""
         if self.cfg.switches.rope_tables:
-            cos, sin = cache.rope.tables(cache.positions)
-            return lambda x: apply_tables(x, cos, sin)
-        ph = cache.rope.phasors(cache.positions)
-        return lambda x: apply_complex(x, ph)
+            return TableRotation(*cache.rope.tables(cache.positions))
+        return ComplexRotation(cache.rope.phasors(cache.positions))
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.spec.n_heads, self.spec.head_dim))
@@ -190,26 +197,75 @@ class LiveTalkDiT:
                 h = audio[self.audio_at[b]].repeat_interleave(T, dim=0) + h
             shift1, scale1, gate1, shift2, scale2, gate2 = mods[b]
             pre = f"blocks.{b}.self_attn"
-            a = modulate(h, shift1, scale1, eps)
-            q = rms_norm(self.linear(f"{pre}.q", a, "attn"), w[f"{pre}.norm_q.weight"], eps)
-            k = rms_norm(self.linear(f"{pre}.k", a, "attn"), w[f"{pre}.norm_k.weight"], eps)
-            v = self.linear(f"{pre}.v", a, "attn")
-            q, k = rope(self.heads(q)), rope(self.heads(k))
-            cache.write(b, k, self.heads(v))
+            q, k, v = self.qkv(b, self.norm_input(h, shift1, scale1))
+            qn, kn = w[f"{pre}.norm_q.weight"], w[f"{pre}.norm_k.weight"]
+            if self.fused_pre(cache):  # the FP8 queries; K/V written
+                q = self.pre_attention(self.heads(q), self.heads(k), self.heads(v), qn, kn,
+                                       eps, rope.cos, rope.sin, *cache.stores_fp8(b),
+                                       cache.write_index)
+            else:
+                q = rope(self.heads(rms_norm(q, qn, eps)))
+                cache.write(b, rope(self.heads(rms_norm(k, kn, eps))), self.heads(v))
             if commit and b == last and self.cfg.switches.skip_commit_tail:
                 return None
-            kc, vc = cache.read(b, n_slots)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None])
-            o = o[0].transpose(0, 1).flatten(1)
+            o = self.self_attention(b, q, cache, n_slots)
             h = gated_residual(h, gate1, self.linear(f"{pre}.o", o, "attn"))
-            h = h + self.cross_attention(b, h, cache)
-            a = modulate(h, shift2, scale2, eps)
+            cross = self.cross_attention(b, h, cache)
+            if self.fused_input:  # the residual add inside the FFN input's quantization
+                aq, a_s, h = self.act.residual_norm_modulate(h, cross, self.ones, shift2,
+                                                             scale2, eps)
+                a = (aq, a_s)
+            else:
+                h = h + cross
+                a = modulate(h, shift2, scale2, eps)
             up = gelu(self.linear(f"blocks.{b}.ffn.0", a, "ffn_up"))
             f = self.linear(f"blocks.{b}.ffn.2", up, "ffn_down")
             h = gated_residual(h, gate2, f)
         shift, scale = head_mod
         out = self.linear("head.head", modulate(h, shift, scale, eps))
         return self.unpatchify(out, x.shape[1])
+
+    @property
+    def fused_input(self) -> bool:
+        """AdaLN and the FP8 quantization of the block linears' input in one op."""
+        return self.fp8_linears and self.cfg.switches.fused_act_quant
+
+    def norm_input(self, h, shift, scale):
+        """The self-attention's input: AdaLN of h, quantized once for q, k and v where they
+        are FP8 linears and fused_act_quant is on."""
+        if self.fused_input:
+            return self.act.norm_modulate(h, shift, scale, self.spec.norm_eps)
+        return modulate(h, shift, scale, self.spec.norm_eps)
+
+    def qkv(self, b: int, a) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block b's q, k, v [T, dim]: one GEMM (fused_qkv, its output split) or three."""
+        pre = f"blocks.{b}.self_attn"
+        if self.cfg.switches.fused_qkv:
+            return self.linear(f"{pre}.qkv", a, "qkv").split(self.spec.dim, dim=-1)
+        return tuple(self.linear(f"{pre}.{n}", a, "attn") for n in "qkv")
+
+    def fused_pre(self, cache: ChunkCache) -> bool:
+        """The chunk's pre-attention runs fused (the FP8 cache in use, FP8 attention)."""
+        return self.pre_attention is not None and cache.quantized and \
+            self.cfg.numerics.fp8_attention
+
+    def self_attention(self, b: int, q, cache: ChunkCache, n_slots: int):
+        """q [T, heads, head_dim] (after RoPE), or its FP8 quantization per (head, token)
+        (q8 [heads, T, head_dim], scale [heads, T, 1]), over block b's first n_slots cached
+        slots -> [T, dim]: the FP8 attention over the FP8 cache as it lies, or SDPA in the
+        model's dtype."""
+        if cache.quantized and self.cfg.numerics.fp8_attention:
+            H, D = self.spec.n_heads, self.spec.head_dim
+            if isinstance(q, tuple):
+                q8, qs = q
+            else:
+                q8, qs = self.act.quantize_rows(q.transpose(0, 1).reshape(-1, D))
+            k8, v8, ks, vs = cache.read_fp8(b, n_slots)
+            return self.attend8(q8.view(H, -1, D), qs.view(H, -1, 1), k8, v8, ks, vs,
+                                self.dtype)
+        kc, vc = cache.read(b, n_slots)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None])
+        return o[0].transpose(0, 1).flatten(1)
 
     def cross_attention(self, b: int, h: torch.Tensor, cache: ChunkCache) -> torch.Tensor:
         spec, w, pre = self.spec, self.w, f"blocks.{b}.cross_attn"
@@ -229,3 +285,17 @@ class LiveTalkDiT:
         x = out.view(frames, spec.grid_h, spec.grid_w, p, p, spec.latent_channels)
         return x.permute(5, 0, 1, 3, 2, 4).reshape(spec.latent_channels, frames, spec.latent_h,
                                                     spec.latent_w)
+
+
+def fuse_qkv(w: dict, n_blocks: int) -> dict:
+    """The weights with every block's self-attention q, k, v (weights, biases and FP8
+    scales) concatenated along their outputs as `self_attn.qkv`: one GEMM computes the
+    three (a weight's rows, and its per-output-channel scales, are independent)."""
+    w = dict(w)
+    for b in range(n_blocks):
+        pre = f"blocks.{b}.self_attn"
+        for part in ("weight", "bias", "weight_scale"):
+            names = [f"{pre}.{n}.{part}" for n in "qkv"]
+            if names[0] in w:
+                w[f"{pre}.qkv.{part}"] = fp8.cat([w.pop(n) for n in names])
+    return w

@@ -11,14 +11,22 @@ import torch
 from ..family import GemmProblem
 from ..mapping import Mapping
 from .cache import ChunkCache
-from .model import LiveTalkDiT
+from .model import LiveTalkDiT, fuse_qkv
 from .step import Session, chunk_step
 from .weights import rank_weights
 
-# linear kind -> a block's linears of that kind (each kind is one GEMM shape)
+# linear kind -> a block's linears of that kind (each kind is one GEMM shape); with
+# fused_qkv the self-attention's q, k, v are one linear of its own kind
 KINDS = {"attn": ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q",
                   "cross_attn.o"),
          "ffn_up": ("ffn.0",), "ffn_down": ("ffn.2",)}
+FUSED_KINDS = {"qkv": ("self_attn.qkv",),
+               "attn": ("self_attn.o", "cross_attn.q", "cross_attn.o"),
+               "ffn_up": ("ffn.0",), "ffn_down": ("ffn.2",)}
+
+
+def kinds(cfg) -> dict[str, tuple[str, ...]]:
+    return FUSED_KINDS if cfg.switches.fused_qkv else KINDS
 
 
 def bake_tables(cfg, state) -> dict[str, torch.Tensor]:
@@ -56,11 +64,13 @@ def gemm_problems(cfg, state, mapping) -> dict:
     spec = cfg.model
     if not cfg.numerics.fp8_gemm:
         return {}
+    if cfg.switches.fused_qkv:
+        state = fuse_qkv(state, spec.n_blocks)
     return {kind: GemmProblem("plain", [(state[f"blocks.{i}.{n}.weight"],
                                          state[f"blocks.{i}.{n}.weight_scale"])
                                         for i in range(spec.n_blocks) for n in names],
                               spec.chunk_tokens)
-            for kind, names in KINDS.items()}
+            for kind, names in kinds(cfg).items()}
 
 
 __all__ = ["bake_tables", "gemm_problems", "rank_session", "rank_weights"]

@@ -74,3 +74,26 @@ def rotate_temporal(x: torch.Tensor, omega_t: torch.Tensor, delta: float) -> tor
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rot = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
     return torch.cat([rot.to(x.dtype), x[..., 2 * nt:]], dim=-1)
+
+
+class TableRotation:
+    """A chunk's rotation from fp32 cos/sin tables [F * T, D / 2] (the `rope_tables` path;
+    the fused pre-attention reads the tables themselves)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_tables(x, self.cos, self.sin)
+
+
+class ComplexRotation:
+    """A chunk's rotation by complex128 phasors (the plain path)."""
+
+    cos = sin = None
+
+    def __init__(self, phasors: torch.Tensor):
+        self.phasors = phasors
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_complex(x, self.phasors)

@@ -77,7 +77,10 @@ def load_side(spec: LiveTalkSpec, state: dict, device="cpu") -> SideNets:
     if missing or unexpected:
         name = (missing or unexpected)[0]
         raise ValueError(f"side networks: {'missing' if missing else 'unexpected'} tensor {name!r}")
-    return nets.to(device).eval().ready()
+    nets = nets.to(device).eval()
+    if torch.device(device).type == "cuda":
+        nets.vae.to(getattr(torch, spec.vae.gpu_dtype))
+    return nets.ready()
 
 
 def load_side_files(spec: LiveTalkSpec, vae: Path | None, wav2vec: Path | None,

@@ -229,10 +229,22 @@ class LiveTalkSwitches:
     rope_tables: bool = True  # RoPE from fp32 cos/sin tables on the device, not complex64/128
     position_reset: bool = True  # bounded positions: periodic reset with the delta rotation
     fp8_kv: bool = True  # K/V stored FP8 with per-(block, head) scales calibrated once
+    # q, k and v as one GEMM over their concatenated weights (and scales)
+    fused_qkv: bool = True
+    # the block linears' per-token FP8 quantization in fused kernels: AdaLN + quantize before
+    # q/k/v (one quantization for the three) and the FFN (with the cross-attention's
+    # residual add), quantize alone before the others
+    fused_act_quant: bool = True
+    # the FP8 linears' bias added in the GEMM's epilogue (one rounding), not after it
+    gemm_bias: bool = True
+    # with the FP8 cache in use: the q/k norm across heads, RoPE, the queries' quantization and
+    # the K/V quantization and ring write in one kernel (plugins/pre_attention_width.py)
+    fused_pre_attention: bool = True
     skip_commit_tail: bool = True  # the commit pass stops after the last block's K/V
 
     ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
-             "fp8_kv", "skip_commit_tail")
+             "fp8_kv", "fused_qkv", "fused_act_quant", "gemm_bias", "fused_pre_attention",
+             "skip_commit_tail")
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":

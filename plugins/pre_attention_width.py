@@ -1,0 +1,88 @@
+"""Fused pre-attention for a q/k RMS norm across all heads (LiveTalk's, the whole width
+normed at once) into an FP8 cache: the norm, RoPE at the chunk's positions, the queries'
+per-(head, token) quantization for FP8 attention, K/V quantization with the cache's
+per-head scales and the write at the device-side slots, in one launch.
+
+plugins/pre_attention.py is the same op for a per-head norm. Here each query or key program
+walks its tokens' heads for the sum of squares (read again from L2) before it norms its own
+head. It rounds where the reference rounds (the normed vector to the compute dtype before
+and after the weight, the rotated one again), so the two differ only in fp32 summation
+order: parity tests bound it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from charengine import fp8
+from charengine.ops import rms_norm_width
+from charengine.rope import rotate
+
+from . import registry
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+              k_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+              k_store: torch.Tensor, v_store: torch.Tensor, k_scale: torch.Tensor,
+              v_scale: torch.Tensor, write_index: torch.Tensor):
+    """q, k, v [T, H, D] from the input projections (q, k unnormed); q_norm, k_norm [H * D];
+    cos, sin [T, D / 2]; k_store, v_store [H, S, D] FP8 (v_store may be a strided view of a
+    [H, D, S] store) with k_scale, v_scale [H, 1, 1]; write_index [T] slots. Writes K and V
+    and returns the queries quantized per (head, token): (q8 [H, T, D], scale [H, T, 1])."""
+    def norm(x, w):
+        return rms_norm_width(x.flatten(1), w, eps).unflatten(1, x.shape[1:]).transpose(0, 1)
+
+    qr = rotate(norm(q, q_norm), cos, sin)
+    kr = rotate(norm(k, k_norm), cos, sin)
+    fp8.index_copy_(k_store, 1, write_index, fp8.quantize(kr, k_scale))
+    fp8.index_copy_(v_store, 1, write_index, fp8.quantize(v.transpose(0, 1), v_scale))
+    return fp8.quantize_rows(qr)
+
+
+def triton_pre_attention_width(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store,
+                               k_scale, v_scale, write_index, block_t: int = 16,
+                               warps: int = 4):
+    """The kernel; arguments and result as `reference` (q, k, v may be strided views with a
+    contiguous head dimension, as the input projection's output split)."""
+    T, H, D = q.shape
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_store", k_store)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous head dimension")
+    if k_store.dtype != fp8.FP8 or v_store.dtype != fp8.FP8:
+        raise ValueError("the stores must be FP8")
+    if D % 2 or D & (D - 1):
+        raise ValueError(f"head dim {D} must be a power of two (RoPE pairs, one tile)")
+    q8 = torch.empty((H, T, D), dtype=fp8.FP8, device=q.device)
+    q_scale = torch.empty((H, T, 1), dtype=torch.float32, device=q.device)
+    grid = ((T + block_t - 1) // block_t, H, 3)  # parts: queries, keys, values
+    from .kernels.pre_attention_width import pre_attention_width_kernel
+
+    pre_attention_width_kernel[grid](
+        q, k, v, q_norm, k_norm, cos.contiguous(), sin.contiguous(), write_index,
+        k_scale.reshape(-1), v_scale.reshape(-1), k_store, v_store, q8, q_scale, T, eps,
+        q.stride(1), q.stride(0), k.stride(1), k.stride(0), v.stride(1), v.stride(0),
+        k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
+        v_store.stride(2), q8.stride(0), q8.stride(1), H=H, D=D, BLOCK_T=block_t,
+        num_warps=warps)
+    return q8, q_scale
+
+
+def op(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale,
+       write_index):
+    """The registered op (the kernel on CUDA tensors, the reference on CPU ones), with
+    `reference`'s signature and result."""
+    return torch.ops.charengine.pre_attention_width.default(
+        q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale, write_index)
+
+
+def _fake(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale,
+          write_index):
+    T, H, D = q.shape
+    return (q.new_empty((H, T, D), dtype=fp8.FP8), q.new_empty((H, T, 1), dtype=torch.float32))
+
+
+registry.register("pre_attention_width",
+                  "(Tensor q, Tensor k, Tensor v, Tensor q_norm, Tensor k_norm, float eps, "
+                  "Tensor cos, Tensor sin, Tensor(a!) k_store, Tensor(b!) v_store, "
+                  "Tensor k_scale, Tensor v_scale, Tensor write_index) -> (Tensor, Tensor)",
+                  reference, triton_pre_attention_width, _fake)

@@ -1,0 +1,124 @@
+"""Where a steady LiveTalk chunk's GPU time goes: the chunk as charrun's rank runs it (CUDA
+graphs replayed), a preset with random weights and an arm as scripts/livetalk_long_session.py
+takes them, profiled over several chunks with the window full; each kernel's time per chunk,
+grouped (GEMMs, attention, quantization, norms and the rest), beside the chunk's GEMM and
+attention floors at the GPU's dense peaks.
+
+    python scripts/livetalk_profile.py --preset livetalk-1.3b --arm preset \\
+        --out docs/results/livetalk/profile_livetalk-1.3b_preset.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from charengine.assemble import rank_session
+from charengine.config import Numerics, preset
+from charengine.family import family
+from charengine.mapping import Mapping
+from charengine.timing import Span, median
+
+# kernel name fragment -> group (the first match wins)
+GROUPS = (("attention_tma_kernel", "fp8 attention"), ("attention_kernel", "fp8 attention"),
+          ("flash", "sdpa attention"), ("fmha", "sdpa attention"), ("cudnn", "sdpa attention"),
+          ("nvjet", "gemm"), ("gemm", "gemm"), ("sm90_xmma", "gemm"), ("cutlass", "gemm"),
+          ("quant", "quantization"), ("norm", "norms"), ("index", "cache write"),
+          ("elementwise", "elementwise"), ("reduce", "reductions"), ("cat", "copies"),
+          ("copy", "copies"))
+DENSE_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H100/H200 SXM dense tensor-core peaks
+
+
+def group(name: str) -> str:
+    low = name.lower()
+    return next((g for key, g in GROUPS if key in low), "other")
+
+
+def chunk_flop(spec) -> dict[str, float]:
+    """A steady chunk's GEMM and self-attention FLOP (passes + the commit pass)."""
+    T, d, f, L = spec.chunk_tokens, spec.dim, spec.ffn_dim, spec.n_blocks
+    forwards = 5
+    gemm = 2 * T * L * (4 * d * d + 2 * d * d + 2 * d * f) * forwards
+    S = spec.cache_frames * spec.frame_tokens
+    attn = 4 * T * S * spec.head_dim * spec.n_heads * L * forwards
+    return {"gemm_tflop": gemm / 1e12, "attention_tflop": attn / 1e12}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="livetalk-1.3b")
+    ap.add_argument("--arm", choices=("preset", "bf16"), default="preset")
+    ap.add_argument("--chunks", type=int, default=6, help="profiled steady chunks")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    cfg = preset(args.preset)
+    fam = family(cfg.family)
+    if args.arm == "bf16":
+        cfg = cfg.replace(switches=dataclasses.replace(fam.config_types["switches"](),
+                                                       fp8_kv=False),
+                          numerics=Numerics(dtype="bfloat16", fp8_gemm=False,
+                                            fp8_attention=False))
+    dev = torch.device("cuda")
+    full = fam.random_weights(cfg.model, args.seed)
+    session = rank_session(cfg, fam.rank_state(cfg, full), Mapping.single("cuda"),
+                           tables=fam.bake_tables(cfg, full))
+    fam.warm_up(session)
+    spec, shapes = cfg.model, fam.step_shapes(cfg.model)
+    g = torch.Generator().manual_seed(args.seed)
+
+    def step():
+        noise = torch.randn(shapes.noise_shape, generator=g).to(dev)
+        return session.step(noise, torch.randn(shapes.features, generator=g).to(dev))
+
+    with torch.inference_mode():
+        session.start(torch.randn(shapes.reference, generator=g).to(dev),
+                      torch.randn(shapes.prompt, generator=g).to(dev))
+        for _ in range(spec.sink_chunks + spec.window_chunks + 2):  # fill, calibrate, capture
+            step()
+        ms = []
+        for _ in range(args.chunks):
+            with Span(dev) as s:
+                step()
+            ms.append(s.ms)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.chunks):
+                step()
+            torch.cuda.synchronize()
+    kernels = collections.Counter()
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
+        if t and e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.key] += t / 1e3 / args.chunks  # ms per chunk
+    groups = collections.Counter()
+    for name, t in kernels.items():
+        groups[group(name)] += t
+    flop = chunk_flop(spec)
+    precision = "fp8" if cfg.numerics.fp8_gemm else "bf16"
+    floors = {"gemm_floor_ms": flop["gemm_tflop"] / DENSE_TFLOPS[precision] * 1e3,
+              "attention_floor_ms": flop["attention_tflop"] / DENSE_TFLOPS[
+                  "fp8" if cfg.switches.fp8_kv else "bf16"] * 1e3}
+    summary = {"preset": spec.name, "arm": args.arm, "gpu": torch.cuda.get_device_name(dev),
+               "date": time.strftime("%Y-%m-%d"), "chunk_ms_p50": median(ms), "chunk_ms": ms,
+               "kernel_ms_per_chunk": sum(kernels.values()), **flop, **floors,
+               "groups_ms": dict(groups.most_common()),
+               "top_kernels_ms": dict(kernels.most_common(25))}
+    print(json.dumps({k: v for k, v in summary.items() if k != "top_kernels_ms"}, indent=1))
+    for name, t in kernels.most_common(25):
+        print(f"{t:8.2f} ms  {group(name):15s} {name[:110]}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
