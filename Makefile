@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-engines/cpu-tiny/manifest.json: $(VENV)/.installed engines/targets/cpu-tiny.toml checkpoints/tiny.safetensors $(wildcard charengine/*.py charengine/characters/*.py builder/*.py)
+engines/cpu-tiny/manifest.json: $(VENV)/.installed charengine/targets/cpu-tiny.toml charengine/checkpoints/tiny.safetensors $(wildcard charengine/*.py charengine/characters/*.py builder/*.py)
 	$(BIN)/charbuild --target cpu-tiny --out engines/cpu-tiny
 
 demo: engines/cpu-tiny/manifest.json

@@ -1,19 +1,23 @@
-"""BuildConfig: every input of one engine build (what charbuild's flags give), and the target
-files a target name is looked up in."""
+"""BuildConfig: every input of one engine build (what charbuild's flags give), and the package
+data a build reads: the target files a target name is looked up in and the trained
+checkpoints shipped with the package (found through the installed package, a wheel or a
+source checkout alike)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from charengine.target import Target
 
-REPO = Path(__file__).resolve().parents[1]
-TARGETS_DIR = REPO / "engines" / "targets"
+PACKAGE_DIR = Path(str(resources.files("charengine")))
+TARGETS_DIR = PACKAGE_DIR / "targets"
+CHECKPOINTS_DIR = PACKAGE_DIR / "checkpoints"
 
 
 def find_target(name: str) -> Target:
-    """A target by name (a file in engines/targets/) or by the path of a target .toml;
+    """A target by name (a file in charengine/targets/) or by the path of a target .toml;
     ValueError, one line, for one that is unknown or does not read."""
     path = Path(name)
     if not path.suffix:
@@ -39,7 +43,8 @@ class BuildConfig:
     with random ones (seeded by `seed` or 0). `side_files` names the side networks' own
     files for a family whose checkpoint holds only the DiT (LiveTalk: "vae" a Wan 2.1 VAE
     .pth, "wav2vec" a wav2vec2 directory, "prompt_features" a safetensors of umT5 features
-    or "text_encoder" a umT5 directory with "prompt" the text to encode)."""
+    or "text_encoder" a umT5 directory with "prompt" the text to encode). `export_onnx` also
+    writes the decoder and the audio encoder as ONNX into the engine (builder/onnx_export.py)."""
 
     target: Target | str
     out: Path
@@ -50,6 +55,7 @@ class BuildConfig:
     kernels: bool = True
     random_side_networks: bool = False
     side_files: tuple[tuple[str, str], ...] = ()  # (name, path or text) pairs, given ones only
+    export_onnx: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "out", Path(self.out))

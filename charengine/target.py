@@ -1,5 +1,5 @@
 """Deployment targets: GPU kind, TP degree, decoder placement and switches, read from data
-files (engines/targets/*.toml). Shared by the builder (which bakes a target into an engine)
+files (charengine/targets/*.toml). Shared by the builder (which bakes a target into an engine)
 and the runtime (which reads it back from the manifest and checks it against the machine)."""
 
 from __future__ import annotations

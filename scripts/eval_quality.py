@@ -47,7 +47,8 @@ def interval(values):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, default=Path("checkpoints/tiny.safetensors"))
+    ap.add_argument("--checkpoint", type=Path,
+                    default=Path("charengine/checkpoints/tiny.safetensors"))
     ap.add_argument("--clips", type=int, default=20)
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--out", type=Path, default=Path("docs/results/quality_tiny_cpu.json"))

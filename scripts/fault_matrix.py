@@ -45,7 +45,7 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
-CHECKPOINT = REPO / "checkpoints" / "tiny.safetensors"
+CHECKPOINT = REPO / "charengine" / "checkpoints" / "tiny.safetensors"
 DOC = REPO / "docs" / "RELIABILITY.md"
 BEGIN, END = "<!-- fault-matrix -->", "<!-- /fault-matrix -->"
 REGENERATE = ".venv/bin/python scripts/fault_matrix.py"

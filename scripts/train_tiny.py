@@ -14,7 +14,7 @@ the DiT and every side network (the text encoder stays at its seeded initializat
 prompts are random strings or empty, so the model learns to take them as they come).
 
     python scripts/train_tiny.py vae --steps 1200 --out checkpoints/tiny_vae.safetensors
-    python scripts/train_tiny.py dit --steps 4000 --out checkpoints/tiny.safetensors
+    python scripts/train_tiny.py dit --steps 4000 --out charengine/checkpoints/tiny.safetensors
 """
 
 from __future__ import annotations
@@ -227,7 +227,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["vae", "dit"])
     ap.add_argument("--out", type=Path, default=None,
-                    help="default: checkpoints/tiny_vae.safetensors (vae), checkpoints/tiny.safetensors (dit)")
+                    help="default: checkpoints/tiny_vae.safetensors (vae), "
+                         "charengine/checkpoints/tiny.safetensors (dit)")
     ap.add_argument("--vae", type=Path, default=Path("checkpoints/tiny_vae.safetensors"),
                     help="dit: the trained VAE whose latents the DiT learns")
     ap.add_argument("--init", type=Path, default=None,
@@ -246,7 +247,7 @@ def main():
     torch.set_num_threads(2)
     if args.out is None:
         args.out = Path("checkpoints/tiny_vae.safetensors" if args.stage == "vae"
-                        else "checkpoints/tiny.safetensors")
+                        else "charengine/checkpoints/tiny.safetensors")
     report = train_vae(args) if args.stage == "vae" else train_dit(args)
     print(json.dumps({k: v for k, v in report.items() if k != "args"}, indent=1))
 

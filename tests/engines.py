@@ -7,7 +7,7 @@ from charengine.builder.build_config import BuildConfig
 from charengine.target import Target
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS = ROOT / "engines" / "targets"
+TARGETS = ROOT / "charengine" / "targets"
 
 
 def build_target(tmp: Path, target_file: str = "cpu-tiny", ranks=None, kernels=False,

@@ -18,7 +18,7 @@ from engines import ROOT
 
 CHARBUILD = [sys.executable, "-m", "charengine.builder.cli"]
 CHARRUN = [sys.executable, "-m", "charengine.runtime.cli"]
-TINY = ROOT / "checkpoints" / "tiny.safetensors"
+TINY = ROOT / "charengine" / "checkpoints" / "tiny.safetensors"
 
 
 def charbuild(*args, cwd=None, **kw):

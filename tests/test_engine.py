@@ -149,7 +149,7 @@ def test_charbuild_cli_builds_and_explains_bad_input(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0 and "the trained tiny checkpoint" in r.stderr
     m = json.loads((tmp_path / "h/manifest.json").read_text())
-    assert m["weights"]["checkpoint"].endswith("checkpoints/tiny.safetensors")
+    assert m["weights"]["checkpoint"].endswith("charengine/checkpoints/tiny.safetensors")
     assert m["side_networks"] == "checkpoint"
     r = subprocess.run(charbuild + ["--target", "h100-tp3", "--out", str(tmp_path / "i")],
                        capture_output=True, text=True)

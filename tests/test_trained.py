@@ -1,6 +1,6 @@
-"""The shipped tiny character (checkpoints/tiny.safetensors, scripts/train_tiny.py dit): it
-loads as the builder loads it, and on a held-out clip its mouth follows the speech, where a
-random-weight model's does not."""
+"""The shipped tiny character (charengine/checkpoints/tiny.safetensors, scripts/train_tiny.py
+dit): it loads as the builder loads it, and on a held-out clip its mouth follows the speech,
+where a random-weight model's does not."""
 
 from pathlib import Path
 
@@ -17,7 +17,7 @@ from charengine.characters.sidenets import PREFIXES, SideNets, load_side
 from charengine.characters.synth import clip
 from charengine.characters.weights import load_checkpoint, random_weights
 
-CKPT = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny.safetensors"
+CKPT = Path(__file__).resolve().parents[1] / "charengine" / "checkpoints" / "tiny.safetensors"
 
 
 @pytest.fixture(scope="module")
