@@ -1,14 +1,17 @@
 """charrun: load an engine (checked against this machine) and run a session from a reference
-image and speech into an MP4."""
+image and speech into an MP4, or serve sessions (--serve, --livekit) with probes for an
+orchestrator (runtime/probes.py) and a drain on SIGTERM (runtime/lifecycle.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import socket
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -16,11 +19,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
-from .distributed import RankFailure
-from .engine import Engine, EngineError
 from .formats import (DEFAULT_BACKGROUND, FIT_POLICIES, MAX_IMAGE_PIXELS, VIDEO_SUFFIXES,
                       ImageFit)
-from .run_config import RunConfig
+from .lifecycle import GRACE_PERIOD_S
+from .probes import HEALTH_PORT
+from .run_config import RunConfig, livekit_setup_error
+
+if TYPE_CHECKING:  # torch is imported when an engine is loaded, after the probes answer
+    from .engine import Engine
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -51,6 +57,9 @@ def summary_table(times, steps_done: int, frames: int, wall_s: float, fps: int):
 
 def ready_check(cfg: RunConfig) -> None:
     """--check: load the engine, get ready, report what it took and exit."""
+    from .distributed import RankFailure
+    from .engine import Engine, EngineError
+
     t0 = time.perf_counter()
     try:
         engine = Engine.load(cfg.engine_dir, verify_in_background=True)
@@ -77,15 +86,20 @@ def ready_check(cfg: RunConfig) -> None:
 class Stop:
     """SIGINT and SIGTERM (what `docker stop` and `timeout` send) while a render runs: the
     first takes effect between steps, so the MP4 holds whole steps with their audio; a
-    second, or one before any step could be kept, stops at once."""
+    second, or one before any step could be kept, stops at once. `on_signal(sig)` is told of
+    each first (a serving charrun's drain starts its grace period there: should the
+    KeyboardInterrupt be lost in code that swallows it, the drain still stops charrun)."""
 
-    def __init__(self):
+    def __init__(self, on_signal=None):
         self.signum: int | None = None
         self.generating = False
+        self.on_signal = on_signal
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self)
 
     def __call__(self, signum, _frame):
+        if self.on_signal is not None and self.signum is None:
+            self.on_signal(signal.Signals(signum))
         if self.signum is not None or not self.generating:
             self.signum = self.signum or signum
             raise KeyboardInterrupt
@@ -148,7 +162,8 @@ def side_networks_note(engine: Engine) -> str | None:
 @click.option("--prompt", default="", help="Text prompt.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
 @click.option("--serve", is_flag=True, help="Serve a local page that streams over WebRTC.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve on.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the page and the probe server listen on (0.0.0.0 in a container).")
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
 @click.option("--ice-server", "ice_servers", multiple=True,
               help="STUN/TURN URL for WebRTC (none by default: loopback and LAN only).")
@@ -159,31 +174,42 @@ def side_networks_note(engine: Engine) -> str | None:
                    "LIVEKIT_API_KEY, LIVEKIT_API_SECRET).")
 @click.option("--agent-name", default="charengine-avatar", show_default=True,
               help="LiveKit agent name the worker registers for explicit dispatch.")
+@click.option("--health-port", type=click.IntRange(1, 65535), default=HEALTH_PORT,
+              show_default=True,
+              help="With --serve or --livekit: the probe server's port (on --host): GET "
+                   "/healthz (alive), /readyz (200 only when a session can start; 503 with "
+                   "the state: loading, busy, draining, failed) and /metrics.")
+@click.option("--grace-period", type=click.FloatRange(min=0, min_open=True),
+              default=GRACE_PERIOD_S, show_default=True,
+              help="With --serve or --livekit: seconds SIGTERM's drain may take. The session "
+                   "in progress goes on until shortly before, then ends cleanly, the ranks "
+                   "stop and charrun exits 0; past it charrun gives up and exits 1 at once.")
 @click.option("--check", is_flag=True,
               help="Load the engine and get ready (kernels loaded, warm-up, step graphs "
                    "captured), report what it took and how many kernels had to be compiled, "
                    "and exit.")
 def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serve, host, port,
-         ice_servers, slack, livekit, agent_name, check):
+         ice_servers, slack, livekit, agent_name, health_port, grace_period, check):
     """Render a talking character (the image animated to the speech, H.264 + AAC MP4), or
     with --serve stream one over WebRTC to a local page."""
     return run(RunConfig(engine_dir, image=image, fit=fit, background=background,
                          audio=audio_path, out=out, prompt=prompt, seed=seed, serve=serve,
                          host=host, port=port, ice_servers=ice_servers, slack=slack,
-                         livekit=livekit, agent_name=agent_name, check=check))
+                         livekit=livekit, agent_name=agent_name, check=check,
+                         health_port=health_port, grace_period=grace_period))
 
 
 def run(cfg: RunConfig):
     """Run the mode `cfg` selects (RunConfig.mode); bad input ends in one line."""
     if cfg.mode == "check":
         return ready_check(cfg)
-    from .media import MediaError, check_video_out
-
     image_fit = image_fit_of(cfg)
     if cfg.mode in ("serve", "livekit"):
         if cfg.serve:
             check_port(cfg.host, cfg.port)
         return serve_live(cfg, image_fit)
+    from .media import MediaError, check_video_out
+
     if not (cfg.image and cfg.audio and cfg.out):
         raise click.UsageError("give --image, --audio and --out, or --serve, or --livekit")
     try:
@@ -194,7 +220,7 @@ def run(cfg: RunConfig):
 
 
 def image_fit_of(cfg: RunConfig) -> ImageFit:
-    from .media import MediaError
+    from .formats import MediaError
 
     try:
         return ImageFit(cfg.fit, cfg.background)
@@ -203,43 +229,91 @@ def image_fit_of(cfg: RunConfig) -> ImageFit:
 
 
 def serve_live(cfg: RunConfig, image_fit: ImageFit):
-    """--serve or --livekit: one engine, one session at a time, until SIGINT or SIGTERM,
-    which end the session in progress and every rank process."""
-    from .distributed import open_worker
+    """--serve or --livekit: one engine, one session at a time, until SIGINT or SIGTERM. The
+    probe server answers from before the engine loads (/readyz: loading, then ready once a
+    session can start); SIGTERM drains within --grace-period (runtime/lifecycle.py), then
+    every rank process stops and charrun exits 0."""
+    from .lifecycle import Drain, signals_held
+    from .probes import ProbeError, ProbeServer, Readiness
 
+    if cfg.livekit:
+        if importlib.util.find_spec("livekit") is None \
+                or importlib.util.find_spec("livekit.agents") is None:
+            raise click.ClickException("--livekit needs the livekit extra: pip install "
+                                       "'charengine[livekit]'")
+        if livekit_setup_error():
+            raise click.ClickException(livekit_setup_error())
+    elif cfg.health_port == cfg.port:
+        raise click.BadParameter(f"{cfg.health_port} is --port's too; give the probe server "
+                                 "a port of its own", param_hint="--health-port")
+    readiness = Readiness()
     try:
+        with signals_held():  # the probe server's threads never take SIGINT or SIGTERM
+            probes = ProbeServer(readiness, cfg.host, cfg.health_port).start()
+    except ProbeError as e:
+        raise click.ClickException(str(e)) from None
+    print(f"charrun: probes on {probes.url}/healthz, /readyz and /metrics", flush=True)
+    try:
+        return _serve_engine(cfg, image_fit, readiness, probes, Drain(cfg.grace_period))
+    finally:
+        probes.stop()
+
+
+def _serve_engine(cfg: RunConfig, image_fit: ImageFit, readiness, probes, drain):
+    """serve_live's engine: loaded (SIGTERM meanwhile stops at once, exit 0), then the mode,
+    then its ranks stopped."""
+    from .lifecycle import signals_held
+
+    # a signal while the engine loads stops the load at once
+    stop = Stop(on_signal=lambda sig: drain.begin(sig.name, now=sig == signal.SIGINT))
+    try:
+        with signals_held():  # torch's import, cut short, would go on without NumPy
+            readiness.loading("loading the runtime (torch)")
+            from .distributed import RankFailure, open_worker
+            from .engine import Engine, EngineError
+            from .metrics import Metrics
+        readiness.loading("checking the engine")
         engine = Engine.load(cfg.engine_dir, verify_in_background=True)
-        if cfg.livekit:
-            try:
-                from .livekit_avatar import LiveKitSetupError, run_worker
-            except ImportError:
-                raise click.ClickException("--livekit needs the livekit extra: pip install "
-                                           "'charengine[livekit]'") from None
+        readiness.engine = engine.target.name
+        metrics = probes.metrics = Metrics(target_fps=engine.config.model.fps)
+        readiness.loading("loading the weights, warm-up and graph capture")
         worker = open_worker(engine)  # TP engines: rank 0 here, one process per TP rank
         note = side_networks_note(engine)
         if note:
             click.echo(note, err=True)
-    except (EngineError, RankFailure) as e:
-        raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        sys.exit(130)
+        readiness.draining(f"stopped by {stop.name} while loading")
+        click.echo(f"charrun: stopped by {stop.name} while the engine loaded; no session was "
+                   "in progress", err=True)
+        drain.finish()
+        sys.exit(0 if stop.signum == signal.SIGTERM else stop.exit_code)
+    except (EngineError, RankFailure) as e:
+        readiness.failed(str(e))
+        raise click.ClickException(str(e)) from None
     try:
         if cfg.livekit:
+            from .livekit_avatar import LiveKitSetupError, run_worker
+
             try:
-                return run_worker(worker, cfg.agent_name, image_fit=image_fit)
+                return run_worker(worker, cfg.agent_name, image_fit=image_fit,
+                                  readiness=readiness, metrics=metrics, drain=drain,
+                                  host=cfg.host)
             except LiveKitSetupError as e:
                 raise click.ClickException(str(e)) from None
         from .server import ServeError, serve as run_server
 
+        readiness.loading("starting the page")
         try:
             return run_server(worker, cfg.host, cfg.port, list(cfg.ice_servers), cfg.slack,
-                              image_fit)
+                              image_fit, readiness=readiness, metrics=metrics, drain=drain)
         except ServeError as e:
             raise click.ClickException(str(e)) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a signal before the mode took over its handling
         pass
     finally:
+        stop.done()  # stopping: a further signal changes nothing
         worker.close()
+        drain.finish()
 
 
 class StepProgress:
@@ -279,23 +353,24 @@ def open_render(cfg: RunConfig, image_fit: ImageFit, stop: Stop):
 
     warn = lambda line: click.echo(f"charrun: warning: {line}", err=True)  # noqa: E731
     try:
+        from .distributed import RankFailure, open_worker
+        from .engine import Engine, EngineError
+
         engine = Engine.load(cfg.engine_dir, verify_in_background=True)
         spec = engine.config.model
         speech = read_audio(cfg.audio, spec.side.sample_rate, warn=warn)
         picture = load_image(cfg.image, spec.out_h, spec.out_w, image_fit)
-        from .distributed import open_worker
-
         worker = open_worker(engine)
         note = side_networks_note(engine)
         if note:
             click.echo(note, err=True)
         click.echo(f"charrun: {cfg.image}: {picture.describe()}", err=True)
-    except (EngineError, MediaError, RankFailure) as e:
-        raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         click.echo(f"charrun: stopped by {stop.name} before any step; {cfg.out} was not "
                    "written", err=True)
         sys.exit(stop.exit_code)
+    except (EngineError, MediaError, RankFailure) as e:
+        raise click.ClickException(str(e)) from None
     return worker, spec, speech, picture
 
 

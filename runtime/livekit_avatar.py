@@ -14,8 +14,12 @@ LiveKit avatar behind a voice agent.
   room and sends it audio with `DataStreamAudioOutput`; `charrun --livekit` runs that worker
   (`run_worker`): it registers with the LiveKit server named by LIVEKIT_URL, LIVEKIT_API_KEY
   and LIVEKIT_API_SECRET, joins each dispatched room with `DataStreamAudioReceiver` and an
-  `AvatarRunner`, serves one session at a time and reports itself fully loaded while it
-  streams, so the server's dispatch spreads sessions over the fleet.
+  `AvatarRunner`, serves one session at a time (`AvatarJobs`) and reports itself fully
+  loaded while it streams, so the server's dispatch spreads sessions over the fleet. Its
+  readiness (runtime/probes.py) reads ready once LiveKit has registered it and busy in a
+  job; SIGTERM tells LiveKit it takes no more jobs, lets the job in progress go on within
+  --grace-period, then ends it: the turn playing reported interrupted to the agent, the
+  avatar leaving the room.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import base64
 import json
 import logging
 import os
+import signal
+import threading
 from collections.abc import AsyncIterator
 
 import av
@@ -39,13 +45,19 @@ from livekit.agents.voice.avatar import (AudioSegmentEnd, AvatarOptions, AvatarR
 
 from .formats import ImageFit
 from .images import read_image
+from .lifecycle import Drain, keep_ranks
 from .live import LiveSession
 from .metrics import Metrics
 from .pacer import Step
+from .probes import Readiness
+from .run_config import livekit_setup_error
 from .worker import Worker
 
 log = logging.getLogger("charengine.livekit")
 AGENT_NAME = "charengine-avatar"
+LOAD_THRESHOLD = 0.5  # the load (1.0 in a job, else 0.0) above which LiveKit sends no job
+NOTIFY_FLUSH_S = 0.2  # lets the agent's interrupted-playback message leave before the avatar
+CLAIM_TIMEOUT_S = 15.0  # an accepted job LiveKit never assigned frees the worker after this
 
 
 class LiveKitSetupError(RuntimeError):
@@ -203,66 +215,188 @@ class CharengineAvatarSession(AvatarSession):
 
 
 async def serve_room(room: rtc.Room, worker: Worker, meta: dict, audio_rate: int = 24000,
-                     image_fit: ImageFit = ImageFit()) -> None:
+                     image_fit: ImageFit = ImageFit(), metrics: Metrics | None = None,
+                     stop: asyncio.Event | None = None) -> None:
     """The data-stream worker's job in a joined room: the character from the dispatch
     metadata (image as a data URL, prompt, the agent's identity), driven by the agent's audio
-    streams, until the runner completes or the job is cancelled. A session that fails (a
-    rank died) ends the job with SessionFailed, its message the cause."""
+    streams, until the runner completes, `stop` is set (the worker drains) or the job is
+    cancelled. A session that fails (a rank died) ends the job with SessionFailed, its message
+    the cause. On `stop`, a turn still playing ends as a barge-in ends it, so the agent hears
+    that its speech was interrupted and where, before the avatar leaves."""
     spec = worker.spec
     image = torch.full((3, spec.out_h, spec.out_w), 0.5)
     if meta.get("image"):
         data = base64.b64decode(meta["image"].split(",", 1)[1])
         image = await asyncio.get_running_loop().run_in_executor(
             None, read_image, data, spec.out_h, spec.out_w, image_fit)
-    gen = CharacterVideoGenerator(worker, image, meta.get("prompt", ""), audio_rate=audio_rate)
+    gen = CharacterVideoGenerator(worker, image, meta.get("prompt", ""), audio_rate=audio_rate,
+                                  metrics=metrics)
     await gen.start()
     receiver = DataStreamAudioReceiver(room, sender_identity=meta.get("sender"))
     runner = AvatarRunner(room, audio_recv=receiver, video_gen=gen, options=gen.options())
+    waits = []
     try:
         await runner.start()
         done = asyncio.ensure_future(runner.wait_for_complete())
-        await asyncio.wait([done, gen.failed], return_when=asyncio.FIRST_COMPLETED)
+        stopped = asyncio.ensure_future((stop or asyncio.Event()).wait())
+        waits = [done, stopped]
+        await asyncio.wait([done, gen.failed, stopped], return_when=asyncio.FIRST_COMPLETED)
         if gen.failed.done():
-            done.cancel()
             raise SessionFailed(gen.failed.result())
+        if stopped.done():
+            receiver.emit("clear_buffer")  # the runner reports the turn interrupted
+            await asyncio.sleep(NOTIFY_FLUSH_S)
     finally:
+        for w in waits:
+            w.cancel()
         await runner.aclose()
         await gen.aclose()
 
 
-def run_worker(worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 24000,
-               image_fit: ImageFit = ImageFit()) -> None:
-    """charrun --livekit: an avatar worker that serves one session at a time; a session
-    that fails ends its job with the error (the room sees the avatar leave) and the next
-    one starts on fresh ranks."""
-    missing = [v for v in ("LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET")
-               if not os.environ.get(v)]
-    if missing:
-        raise LiveKitSetupError(f"set {', '.join(missing)} to the LiveKit server's URL and "
-                                "credentials")
-    busy = asyncio.Event()
+class AvatarJobs:
+    """The worker's LiveKit request and entrypoint functions and its one-session rule: a job is
+    accepted only while idle (not in a job, not draining, not restarting ranks), the worker
+    reports load 1.0 from the accept to the job's end (so LiveKit dispatches elsewhere), and
+    end() ends the job in progress as a drain does: the turn playing reported interrupted to
+    the agent, the job shut down (the avatar leaves the room). Jobs run on LiveKit's thread
+    executor: their loop is not the worker's."""
 
-    async def request(req: JobRequest) -> None:
-        if busy.is_set():
+    def __init__(self, worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 24000,
+                 image_fit: ImageFit = ImageFit(), metrics: Metrics | None = None):
+        self.worker, self.agent_name, self.audio_rate = worker, agent_name, audio_rate
+        self.image_fit, self.metrics = image_fit, metrics
+        self.lock = asyncio.Lock()  # held while the ranks restart (worker's loop)
+        self.claimed = threading.Event()  # from the accept to the job's end
+        self.draining = False
+        self.job: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self.claims = 0  # accepts so far; a job that starts takes the latest
+        self.started = 0  # the accept whose job has started
+        self.reason, self.ending = "", False
+
+    def busy(self) -> bool:
+        return self.claimed.is_set()
+
+    def load(self, *_) -> float:
+        return 1.0 if self.busy() else 0.0
+
+    async def request(self, req: JobRequest) -> None:
+        if self.busy() or self.draining or self.lock.locked():
             await req.reject()
             return
+        self.claimed.set()
+        self.claims += 1
         meta = json.loads(req.job.metadata or "{}")
-        await req.accept(identity=meta.get("identity", agent_name), name="charengine")
+        await req.accept(identity=meta.get("identity", self.agent_name), name="charengine")
+        asyncio.get_running_loop().call_later(CLAIM_TIMEOUT_S, self._unclaim, self.claims)
 
-    async def entrypoint(ctx: JobContext) -> None:
-        busy.set()
+    def _unclaim(self, claim: int) -> None:
+        if claim == self.claims and self.started != claim and self.job is None:
+            log.warning("an accepted job was not assigned within %g s; idle again",
+                        CLAIM_TIMEOUT_S)
+            self.claimed.clear()
+
+    async def entrypoint(self, ctx: JobContext) -> None:
+        loop, stop = asyncio.get_running_loop(), asyncio.Event()
+        self.claimed.set()
+        self.started, self.job = self.claims, (loop, stop)
+        if self.ending:  # assigned after the drain ended the job in progress: leave at once
+            stop.set()
         try:
-            await ctx.connect()
-            await serve_room(ctx.room, worker, json.loads(ctx.job.metadata or "{}"), audio_rate,
-                             image_fit)
+            connect = asyncio.ensure_future(ctx.connect())
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([connect, stopped], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not connect.done():  # still joining the room when the drain ended the job
+                connect.cancel()
+            else:
+                connect.result()
+                await serve_room(ctx.room, self.worker, json.loads(ctx.job.metadata or "{}"),
+                                 self.audio_rate, self.image_fit, self.metrics, stop)
+            if stop.is_set():
+                ctx.shutdown(reason=f"charengine: {self.reason}")
         except SessionFailed as e:
             log.error("session in room %s failed: %s", ctx.room.name, e)
             ctx.shutdown(reason=f"charengine: {e}")
         finally:
-            busy.clear()
+            self.job = None
+            self.claimed.clear()
 
-    opts = WorkerOptions(entrypoint_fnc=entrypoint, request_fnc=request, agent_name=agent_name,
-                         job_executor_type=JobExecutorType.THREAD,
-                         load_fnc=lambda *_: 1.0 if busy.is_set() else 0.0, load_threshold=0.5)
+    def end(self, reason: str) -> None:
+        """End the job in progress (any thread)."""
+        self.reason, self.ending = reason, True
+        job = self.job
+        if job is not None:
+            job[0].call_soon_threadsafe(job[1].set)
+
+
+async def _worker_main(jobs: AvatarJobs, opts: WorkerOptions, readiness: Readiness,
+                       drain: Drain) -> None:
+    """Run the LiveKit worker until SIGTERM or SIGINT, then drain (runtime/lifecycle.py):
+    LiveKit is told the worker is full, the job in progress goes on until it ends or its time
+    is up, then ends (jobs.end), and the worker closes."""
+    if drain.begun:  # the signal came while the engine loaded: nothing to register
+        readiness.draining(f"stopping ({drain.signame})")
+        return
     server = AgentServer.from_server_options(opts)
-    asyncio.run(server.run())
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if drain.begin(sig.name, now=sig == signal.SIGINT):
+            jobs.draining = True
+            left = drain.session_left_s()
+            readiness.draining(f"stopping ({sig.name})" + (
+                f": the session in progress ends within {left:.0f} s"
+                if jobs.busy() and left > 0 else ""))
+        wake.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    server.on("worker_registered", lambda *_: readiness.ready(jobs.busy))
+    readiness.loading(f"registering with the LiveKit server at {os.environ['LIVEKIT_URL']}")
+    run = asyncio.ensure_future(server.run())
+    woken = asyncio.ensure_future(wake.wait())
+    ranks = asyncio.ensure_future(keep_ranks(jobs.worker, readiness, jobs.lock, jobs.busy,
+                                             drain))
+    try:
+        await asyncio.wait([run, woken], return_when=asyncio.FIRST_COMPLETED)
+        if run.done():
+            e = run.exception()
+            why = f"{e}" if e else "the worker stopped"
+            readiness.failed(f"the LiveKit server at {os.environ['LIVEKIT_URL']}: {why}")
+            raise LiveKitSetupError(f"the LiveKit server at {os.environ['LIVEKIT_URL']}: {why}")
+        drained = asyncio.ensure_future(server.drain(timeout=None))  # LiveKit: no more jobs
+        await drain.until_sessions_end(jobs.busy)
+        if jobs.busy():
+            log.info("stopping: ending the session in progress")
+        jobs.end("the worker is stopping")  # and any job LiveKit still assigns
+        await drained
+    finally:
+        woken.cancel()
+        ranks.cancel()
+        await asyncio.gather(ranks, return_exceptions=True)
+        await server.aclose()
+        if not run.done():
+            run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+
+
+def run_worker(worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 24000,
+               image_fit: ImageFit = ImageFit(), readiness: Readiness | None = None,
+               metrics: Metrics | None = None, drain: Drain | None = None,
+               host: str = "127.0.0.1") -> None:
+    """charrun --livekit: an avatar worker that serves one session at a time; a session
+    that fails ends its job with the error (the room sees the avatar leave) and the next
+    one starts on fresh ranks. `readiness` reads ready once LiveKit has registered the
+    worker and busy while it has a job; `metrics` are the worker's; `drain` carries
+    --grace-period. LiveKit's own health server listens on an ephemeral port of `host`:
+    charrun's probe server is the one to probe."""
+    error = livekit_setup_error()
+    if error:
+        raise LiveKitSetupError(error)
+    jobs = AvatarJobs(worker, agent_name, audio_rate, image_fit, metrics)
+    opts = WorkerOptions(entrypoint_fnc=jobs.entrypoint, request_fnc=jobs.request,
+                         agent_name=agent_name, job_executor_type=JobExecutorType.THREAD,
+                         load_fnc=jobs.load, load_threshold=LOAD_THRESHOLD, host=host,
+                         port=0)
+    asyncio.run(_worker_main(jobs, opts, readiness or Readiness(), drain or Drain()))

@@ -1,14 +1,26 @@
 """RunConfig: every input of one charrun invocation (what its flags give), and the mode they
-select."""
+select; and what --livekit reads from the environment (LiveKit's own variables)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .formats import DEFAULT_BACKGROUND
+from .lifecycle import GRACE_PERIOD_S
+from .probes import HEALTH_PORT
 
 MODES = ("check", "livekit", "serve", "render")
+LIVEKIT_ENV = ("LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET")  # what --livekit reads
+
+
+def livekit_setup_error() -> str | None:
+    """What --livekit is missing to reach its LiveKit server (LIVEKIT_ENV), in one line."""
+    missing = [v for v in LIVEKIT_ENV if not os.environ.get(v)]
+    if missing:
+        return f"set {', '.join(missing)} to the LiveKit server's URL and credentials"
+    return None
 
 
 @dataclass(frozen=True)
@@ -18,7 +30,9 @@ class RunConfig:
     how the image becomes the model's frame (runtime/formats.py). `serve` streams over
     WebRTC on `host`:`port` (`ice_servers`: STUN/TURN URLs; `slack`: finished steps that may
     queue ahead of playback); `livekit` runs a LiveKit avatar worker registered as
-    `agent_name`; `check` loads the engine, reports its start-up and exits."""
+    `agent_name`. Both serve probes (/healthz, /readyz, /metrics) on `host`:`health_port`, and
+    SIGTERM drains them within `grace_period` seconds. `check` loads the engine, reports its
+    start-up and exits."""
 
     engine_dir: Path
     image: Path | None = None
@@ -36,6 +50,8 @@ class RunConfig:
     livekit: bool = False
     agent_name: str = "charengine-avatar"
     check: bool = False
+    health_port: int = HEALTH_PORT
+    grace_period: float = GRACE_PERIOD_S
 
     def __post_init__(self):
         object.__setattr__(self, "ice_servers", tuple(self.ice_servers))

@@ -1,0 +1,163 @@
+"""The probe server of charrun --serve and --livekit, and the readiness behind it: GET /healthz
+(200 while the process is alive), /readyz (200 with {"state": "ready"} only when the engine is
+loaded, its graphs captured and a session can start; 503 with the state otherwise) and /metrics
+(the worker's Prometheus metrics, the same object as the page's /metrics), on --health-port.
+
+The server is the standard library's ThreadingHTTPServer on a thread of its own, not an aiohttp
+app: it must answer from before the engine loads (the load holds the main thread, before any
+event loop exists) until the process exits, under whichever event loop the mode then runs
+(aiohttp's for the page, LiveKit's for a fleet worker), and while that loop is busy. Three
+read-only GET routes need nothing more."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+# What /readyz says, in the order a worker meets them. Only "ready" answers 200.
+STATES = ("loading", "ready", "busy", "draining", "failed")
+POLL_S = 0.1  # how often the probe thread looks for its stop
+HEALTH_PORT = 8081  # --health-port's default
+
+
+class ProbeError(RuntimeError):
+    pass
+
+
+class Readiness:
+    """The worker's state for /readyz, set as charrun starts and stops (any thread): loading
+    (the engine loads, warms up and captures its graphs, the page or the LiveKit registration
+    starts, or a TP engine's ranks restart), ready, draining (SIGTERM: it stays so), failed
+    (the engine could not load, or a TP engine's ranks could not restart). While ready,
+    `busy()` (given to ready()) says whether a session is in progress: one session per
+    worker, so a worker in a session reads busy."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._phase, self._detail, self._since = "loading", "starting", clock()
+        self._busy: Callable[[], bool] = lambda: False
+        self.engine: str | None = None  # the engine's target, once it is read
+
+    def _set(self, phase: str, detail: str) -> None:
+        with self._lock:
+            if self._phase == "draining" and phase != "draining":
+                return  # a stopping worker takes no session again
+            if phase != self._phase:
+                self._since = self._clock()
+            self._phase, self._detail = phase, detail
+
+    def loading(self, detail: str) -> None:
+        self._set("loading", detail)
+
+    def ready(self, busy: Callable[[], bool] | None = None) -> None:
+        if busy is not None:
+            self._busy = busy
+        self._set("ready", "")
+
+    def draining(self, detail: str) -> None:
+        self._set("draining", detail)
+
+    def failed(self, reason: str) -> None:
+        self._set("failed", reason)
+
+    @property
+    def state(self) -> str:
+        with self._lock:
+            phase = self._phase
+        if phase == "ready" and self._busy():
+            return "busy"
+        return phase
+
+    def report(self) -> tuple[int, dict]:
+        """/readyz's status and JSON body."""
+        with self._lock:
+            phase, detail, since = self._phase, self._detail, self._since
+        state = "busy" if phase == "ready" and self._busy() else phase
+        if state == "busy":
+            detail = "a session is in progress (one session per worker)"
+        body = {"state": state, "for_s": round(self._clock() - since, 3), "engine": self.engine}
+        if detail:
+            body["detail"] = detail
+        return (200 if state == "ready" else 503), body
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """The routes; `probes` is set on a subclass made for each ProbeServer."""
+
+    probes: "ProbeServer"
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        path = urlsplit(self.path).path
+        if path == "/healthz":
+            self._send(200, "application/json", json.dumps(
+                {"alive": True, "uptime_s": round(time.monotonic() - self.probes.t0, 3)}))
+        elif path == "/readyz":
+            status, body = self.probes.readiness.report()
+            self._send(status, "application/json", json.dumps(body))
+        elif path == "/metrics":
+            metrics = self.probes.metrics
+            if metrics is None:
+                self._send(503, "text/plain", "loading: no metrics before the engine is read\n")
+            else:
+                self._send(200, "text/plain; version=0.0.4", metrics.exposition())
+        else:
+            self._send(404, "application/json", json.dumps(
+                {"error": f"no such probe {path}: GET /healthz, /readyz or /metrics"}))
+
+    def _send(self, status: int, ctype: str, body: str | bytes) -> None:
+        data = body.encode() if isinstance(body, str) else body
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass  # probes come every few seconds; the log is for what happens to sessions
+
+
+class ProbeServer:
+    """The probe routes on host:port, served from a thread of its own from start() to stop().
+    `metrics` (runtime/metrics.py's Metrics) may be given once the engine is read."""
+
+    def __init__(self, readiness: Readiness, host: str, port: int, metrics=None):
+        self.readiness, self.host, self.port, self.metrics = readiness, host, port, metrics
+        self.t0 = time.monotonic()
+        self.httpd: ThreadingHTTPServer | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> "ProbeServer":
+        """Listen and serve; a port that cannot be had is one ProbeError line."""
+        handler = type("ProbeHandler", (_Handler,), {"probes": self})
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        server_class = type("ProbeHTTPServer", (ThreadingHTTPServer,),
+                            {"address_family": family, "daemon_threads": True})
+        try:
+            self.httpd = server_class((self.host, self.port), handler)
+        except OSError as e:
+            raise ProbeError(f"--health-port {self.port}: cannot listen on {self.host}:"
+                             f"{self.port} ({e.strerror or e}); choose another port with "
+                             "--health-port or stop what uses it") from None
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(POLL_S,),
+                                       name="probes", daemon=True)
+        self.thread.start()
+        return self
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stop(self) -> None:
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.httpd = None
