@@ -235,6 +235,7 @@ class DistributedWorker:
         close() lets the ranks exit before it kills them."""
         engine.verified()
         self.engine, self.cfg, self.spec = engine, engine.config, engine.config.model
+        self.target = engine.target  # what the page and /status name
         self.timeout_s, self.ready_timeout_s = timeout_s, ready_timeout_s
         self.stop_grace_s = stop_grace_s
         self.mapping = engine.target.mapping(0)

@@ -5,6 +5,13 @@ and the frames not yet played, and returns it to listening.
 Speech is 16 kHz mono. Step i takes the next step's worth of samples from the speech buffer
 (silence when it is empty) when rank 0 encodes its audio; the pacer's backpressure keeps the
 generator at most a few steps ahead of playback.
+
+The session reports to its Metrics what the page and /metrics show: each step's diffusion
+time, each frame against its slot, stalls (a step at least a frame late; a barge-in's gap
+is not one), the steps and frames queued, and the latency from speech reaching the session
+to the frame that plays it (measured for speech that arrives to an empty buffer: an uploaded
+clip's first sample, and the microphone's audio as it streams). Its state (`STATES`) is told
+to `on_state`.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,17 +31,32 @@ from .worker import Worker
 
 log = logging.getLogger("charengine.live")
 
+# starting: the session is opening, no frame has played; speaking: the playing frame carries
+# speech; listening: it is silent between turns; interrupted: a barge-in dropped the turn and
+# no speech has played since; ended: the session stopped
+STATES = ("starting", "speaking", "listening", "interrupted", "ended")
+MIN_STALL_FRAMES = 1.0  # a step this many frame times late holds a frame visibly: a stall
+
 
 class SpeechBuffer:
-    """Queued speech: sample chunks, and None where a turn's audio ends."""
+    """Queued speech: sample chunks, and None where a turn's audio ends. Speech pushed while
+    nothing waits is marked with its arrival time (`clock`), for the latency to its frames."""
 
-    def __init__(self):
+    def __init__(self, clock=time.monotonic):
         self.lock = threading.Lock()
+        self.clock = clock
         self.chunks: list[torch.Tensor | None] = []
+        self.pushed = 0  # samples pushed so far
+        self.taken = 0  # samples taken (or cleared) so far
+        self.marks: list[tuple[int, float]] = []  # (sample index, arrival time)
 
     def push(self, samples: torch.Tensor) -> None:
+        samples = samples.float().flatten()
         with self.lock:
-            self.chunks.append(samples.float().flatten())
+            if self.pushed == self.taken and samples.numel():
+                self.marks.append((self.pushed, self.clock()))
+            self.chunks.append(samples)
+            self.pushed += samples.numel()
 
     def end_segment(self) -> None:
         with self.lock:
@@ -42,10 +65,13 @@ class SpeechBuffer:
     def clear(self) -> None:
         with self.lock:
             self.chunks.clear()
+            self.marks.clear()
+            self.taken = self.pushed
 
-    def take(self, n: int) -> tuple[torch.Tensor, bool, bool]:
+    def take(self, n: int) -> tuple[torch.Tensor, bool, bool, list[tuple[int, float]]]:
         """n samples of speech, padded with silence; voiced if any speech was in them; ended
-        if a turn's end was reached in them (the rest of the turn, if any, waits)."""
+        if a turn's end was reached in them (the rest of the turn, if any, waits); and the
+        arrival marks within them as (offset in the n samples, arrival time)."""
         ended = False
         with self.lock:
             got, have = [], 0
@@ -65,17 +91,30 @@ class SpeechBuffer:
             if not ended and self.chunks and self.chunks[0] is None:
                 self.chunks.pop(0)
                 ended = True
+            start, self.taken = self.taken, self.taken + have
+            marks = [(i - start, t) for i, t in self.marks if i < self.taken]
+            self.marks = [(i, t) for i, t in self.marks if i >= self.taken]
         voiced = have > 0
         out = torch.cat(got) if got else torch.zeros(0)
-        return torch.nn.functional.pad(out, (0, n - out.numel())), voiced, ended
+        return torch.nn.functional.pad(out, (0, n - out.numel())), voiced, ended, marks
+
+
+@dataclass
+class LiveStep(Step):
+    """A step for the pacer with the speech arrivals it plays: (sample offset in its audio,
+    arrival time)."""
+    arrivals: list[tuple[int, float]] = field(default_factory=list)
 
 
 class LiveSession:
     def __init__(self, worker: Worker, publish, slack: int = 2, metrics: Metrics | None = None,
-                 seed: int = 0, session_id: str = "", on_step_done=None, on_error=None):
+                 seed: int = 0, session_id: str = "", on_step_done=None, on_error=None,
+                 on_state=None):
         """publish(frame [3, H, W], audio [samples at 16 kHz], t, voiced) runs on the pacer's
         thread at each frame's time; on_error(message) runs on the session's thread when the
-        session fails (a rank died, the decoder failed), once, after it has stopped."""
+        session fails (a rank died, the decoder failed), once, after it has stopped;
+        on_state(state) (one of STATES) runs on the thread that changed it (the pacer's, or
+        the caller of interrupt() and stop())."""
         self.worker, self.spec = worker, worker.spec
         self.metrics, self.seed, self.session_id = metrics, seed, session_id
         self.speech = SpeechBuffer()
@@ -85,15 +124,26 @@ class LiveSession:
         # past its frames, so playback runs that far behind what the encoder has heard
         self.lookahead = self.family.lookahead_samples(self.spec)
         self.unplayed = torch.zeros(0)
+        self.heard = 0  # samples taken into `unplayed` so far
+        self.played = 0  # samples handed to steps so far (the start of `unplayed`)
+        self.arrivals: list[tuple[int, float]] = []  # (heard index, arrival time) not yet played
         self.epoch = 0  # bumped by each barge-in; steps carry the epoch they were encoded in
         self.epoch_lock = threading.Lock()
-        self.pacer = Pacer(publish, self.spec.fps, self.spec.frames_per_latent, slack,
-                           on_frame=metrics.frame if metrics else None, on_step_done=on_step_done)
+        self.publish, self.user_step_done = publish, on_step_done
         self.pipeline: Pipeline | None = None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.on_error = on_error
+        self.on_error, self.on_state = on_error, on_state
         self.stopping = False
+        self.state = "starting"
+        self.state_lock = threading.Lock()
+        self.count_lock = threading.Lock()
+        self.frames_pushed = self.frames_played = 0
+        self.last_frame_t = 0.0
+        self.stalls_seen = 0
+        self.flush_slots: set[float] = set()  # barge-in restarts: the gap after one is no stall
+        self.pacer = Pacer(self._publish, self.spec.fps, self.spec.frames_per_latent, slack,
+                           on_frame=self._frame, on_step_done=self._step_done)
 
     # ---- control (any thread) ---------------------------------------------------------
     def start(self, image: torch.Tensor, prompt: str = "") -> None:
@@ -116,9 +166,16 @@ class LiveSession:
         with self.epoch_lock:
             self.epoch += 1
             self.speech.clear()
+            self.arrivals.clear()
         if self.pipeline is not None:
             self.pipeline.flush_audio()
-        return self.pacer.flush()
+        t = self.pacer.flush()
+        with self.count_lock:
+            self.flush_slots.add(t)
+            self.frames_pushed = self.frames_played
+        self._queued()
+        self._set_state("interrupted")
+        return t
 
     def stop(self) -> float | None:
         """End the session; returns its average fps as the metrics saw it."""
@@ -128,30 +185,50 @@ class LiveSession:
         self.pacer.close()  # wakes a sink waiting in push()
         if self.thread is not None:
             self.thread.join()
+        self._set_state("ended")
         return self.metrics.session_finished(self.session_id) if self.metrics else None
+
+    def _set_state(self, state: str, only_from: tuple[str, ...] | None = None) -> None:
+        with self.state_lock:
+            if self.state == state or self.state == "ended" or \
+                    (only_from is not None and self.state not in only_from):
+                return
+            self.state = state
+        if self.on_state is not None:
+            self.on_state(state)
 
     # ---- pipeline side ----------------------------------------------------------------
     def _encode_audio(self, i: int):
         a, b = self.family.step_bounds(self.spec, i)
         take = b - a + (self.lookahead if i == 0 else 0)
         with self.epoch_lock:
-            heard, voiced, ended = self.speech.take(take)
+            heard, voiced, ended, marks = self.speech.take(take)
             epoch = self.epoch
+            self.arrivals += [(self.heard + k, t) for k, t in marks]
+            self.heard += heard.numel()
+            end = self.played + (b - a)
+            arrivals = [(k - self.played, t) for k, t in self.arrivals if k < end]
+            self.arrivals = [(k, t) for k, t in self.arrivals if k >= end]
+            self.played = end
         self.history = torch.cat([self.history, heard])[-self.history.numel():]
         feats = self.worker.on_side_stream(lambda x: self.family.encode_audio(
             self.worker.side, self.spec, x.to(self.worker.decoder_device), i), self.history)
         self.unplayed = torch.cat([self.unplayed, heard])
         chunk, self.unplayed = self.unplayed[: b - a], self.unplayed[b - a:]
-        return feats, (chunk, voiced, ended, epoch)
+        return feats, (chunk, voiced, ended, epoch, arrivals)
 
     def _sink(self, i: int, frames: torch.Tensor, meta) -> None:
-        chunk, voiced, ended, epoch = meta
+        chunk, voiced, ended, epoch, arrivals = meta
         if self.metrics and len(self.pipeline.times.diffusion) > i:
             t0, t1 = self.pipeline.times.diffusion[i]
-            self.metrics.step.observe(t1 - t0)
+            self.metrics.step_done(t1 - t0, frames.shape[0])
         if epoch < self.epoch:
             return  # generated for speech a barge-in cancelled
-        self.pacer.push(Step(frames, chunk, voiced, ended))
+        with self.count_lock:
+            self.frames_pushed += frames.shape[0]
+        self._queued()
+        self.pacer.push(LiveStep(frames, chunk, voiced, ended, arrivals))
+        self._queued()
 
     def _run(self) -> None:
         try:
@@ -161,6 +238,46 @@ class LiveSession:
             log.error("live session %s failed: %s", self.session_id, e)
             if self.on_error is not None and not self.stopping:
                 self.on_error(str(e))
+
+    # ---- the pacer's thread -----------------------------------------------------------
+    def _publish(self, frame: torch.Tensor, audio: torch.Tensor, t: float, voiced: bool) -> None:
+        self.publish(frame, audio, t, voiced)
+        if voiced:
+            self._set_state("speaking")
+        else:
+            self._set_state("listening", only_from=("starting", "speaking"))
+
+    def _frame(self, t: float, slot: float) -> None:
+        with self.count_lock:
+            self.frames_played += 1
+            self.last_frame_t = t
+        if self.metrics is None:
+            return
+        self.metrics.frame(t, slot)
+        stalls = self.pacer.playout.stalls
+        while self.stalls_seen < len(stalls):
+            start, length = stalls[self.stalls_seen]
+            self.stalls_seen += 1
+            if start not in self.flush_slots and length >= MIN_STALL_FRAMES / self.spec.fps:
+                self.metrics.stall(length)
+        self._queued()
+
+    def _queued(self) -> None:
+        if self.metrics is not None:
+            with self.count_lock:
+                frames = max(0, self.frames_pushed - self.frames_played)
+            self.metrics.queued(len(self.pacer.queue), frames)
+
+    def _step_done(self, step: Step) -> None:
+        if self.metrics is not None and isinstance(step, LiveStep) and step.arrivals:
+            n = step.frames.shape[0]
+            begin = self.last_frame_t - (n - 1) / self.spec.fps  # its first frame's time
+            per_frame = max(1, step.audio.numel()) / n
+            for offset, arrived in step.arrivals:
+                played = begin + min(n - 1, int(offset / per_frame)) / self.spec.fps
+                self.metrics.speech_latency(max(0.0, played - arrived))
+        if self.user_step_done is not None:
+            self.user_step_done(step)
 
 
 def wait_until(pred, timeout: float, poll: float = 0.01) -> bool:

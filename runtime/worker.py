@@ -40,6 +40,7 @@ class Worker:
         at start, as a JIT worker does (the start-up benchmark's comparison)."""
         t0 = time.perf_counter()
         cfg = self.cfg = engine.config
+        self.target = engine.target  # what the page and /status name
         self.family = family_of(cfg)
         if rank_slice is None:
             if cfg.tp != 1:

@@ -1,7 +1,9 @@
 """charrun --serve end to end: the server and headless Chromium inside a network namespace
 that the test creates (aioice gathers no loopback candidates; inside the namespace the only
 other addresses are on a veth pair of the test's own, both ends inside, so no traffic
-leaves it)."""
+leaves it). tests/browser_client.py drives the page and reads it as a person would: its
+state and sentences, the engine line, the live numbers and the chart; getStats() counts
+what arrived."""
 
 import json
 import os
@@ -103,34 +105,148 @@ def _end(server) -> str:
     return out
 
 
-@pytest.mark.parametrize("source", ["upload", "microphone"])
-def test_page_streams_video_at_24fps_with_audio_to_chromium(netns, tmp_path, source):
+def _client(ns, url, *args, timeout=180):
+    r = subprocess.run(_in_ns(ns, sys.executable, str(ROOT / "tests/browser_client.py"),
+                              "--url", url, *args), capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _fps(stats) -> float:
+    first, last = stats["first"], stats["last"]
+    return (last["video"]["framesDecoded"] - first["video"]["framesDecoded"]) / stats["elapsed"]
+
+
+def _audio_flows(stats) -> None:
+    first, last = stats["first"], stats["last"]
+    samples = last["audio"]["totalSamplesReceived"] - first["audio"]["totalSamplesReceived"]
+    assert samples > 0.8 * 48000 * stats["elapsed"], stats  # audio keeps arriving
+    concealed = last["audio"]["concealedSamples"] - first["audio"]["concealedSamples"]
+    assert concealed < 0.05 * samples, stats  # and plays without gaps
+
+
+def _value(numbers, name, key="value") -> float:
+    return float(numbers[name][key])
+
+
+def _metric(text: str, name: str) -> float:
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name + " ")))
+
+
+def _long_speech(path):
+    """assets/speech.wav three times over: speech that outlasts the tour's reading."""
+    import wave
+
+    with wave.open(str(ROOT / "assets/speech.wav")) as w:
+        params, frames = w.getparams(), w.readframes(w.getnframes())
+    with wave.open(str(path), "wb") as w:
+        w.setparams(params)
+        w.writeframes(frames * 3)
+    return path
+
+
+def test_the_page_as_a_first_visit_meets_it(netns, tmp_path):
+    """Engine line, a file that is not an image, speech that is not audio, a session's states,
+    the live numbers and chart from the page itself (the same numbers as /metrics), 24 fps
+    with audio by getStats(), two widths, Interrupt, Stop, and a proxy's 502 without JSON."""
     server, url = _serve(netns, build_target(tmp_path), 8765)
     try:
-        shot = tmp_path / "page.png"
-        speech = ["--speech", str(ROOT / "assets/speech.wav")] if source == "upload" else ["--mic"]
-        r = subprocess.run(_in_ns(netns, sys.executable, str(ROOT / "tests/browser_client.py"),
-                                  "--url", url, "--image", str(ROOT / "assets/face.png"),
-                                  *speech, "--seconds", "4", "--shot", str(shot)),
-                           capture_output=True, text=True, timeout=180)
-        assert r.returncode == 0, r.stdout + r.stderr
-        stats = json.loads(r.stdout.strip().splitlines()[-1])
-        first, last = stats["first"], stats["last"]
-        fps = (last["video"]["framesDecoded"] - first["video"]["framesDecoded"]) / stats["elapsed"]
-        assert 20 <= fps <= 28, stats
-        assert last["video"]["frameWidth"] == 64
-        samples = last["audio"]["totalSamplesReceived"] - first["audio"]["totalSamplesReceived"]
-        assert samples > 0.8 * 48000 * stats["elapsed"], stats  # audio keeps arriving
-        concealed = last["audio"]["concealedSamples"] - first["audio"]["concealedSamples"]
-        assert concealed < 0.05 * samples, stats  # and plays without gaps
-        assert shot.stat().st_size > 1000
-        metrics = _get(netns, url + "metrics")
-        assert "charengine_sessions_started_total 1.0" in metrics
-        assert "charengine_sessions_finished_total 1.0" in metrics  # the page's Stop
-        assert "charengine_frame_drift_seconds_count" in metrics
+        notes = tmp_path / "notes.txt"
+        notes.write_text("not a face, not a voice\n" * 40)
+        t = _client(netns, url, "--tour", str(tmp_path / "shots"), "--image",
+                    str(ROOT / "assets/face.png"), "--speech", str(_long_speech(tmp_path /
+                    "speech.wav")), "--not-image", str(notes), "--seconds", "3")
+        metrics_after = _get(netns, url + "metrics")
     finally:
         out = _end(server)
     assert "Traceback" not in out, out
+
+    loaded = t["loaded"]
+    assert loaded["engine"] == {"family": "characters", "preset": "tiny", "target": "cpu-tiny",
+                                "fps": "24 fps", "frame": "64 × 64",
+                                "unit": "steps of 4 frames", "device": "CPU"}, loaded
+    assert loaded["state"] == "ready" and loaded["start_enabled"], loaded
+
+    assert '"notes.txt" is not an image' in t["not_image"] and "Choose a PNG" in t["not_image"]
+    assert t["not_image_page"]["state"] == "error" and not t["not_image_page"]["start_enabled"]
+    assert "64 × 64" in t["image_note"] and not t["image_ready"]["error"], t["image_ready"]
+    said = t["not_audio"]  # the server's JSON 400, in words, with what to do
+    assert said.startswith("Could not start: the speech \"notes.txt\": not an audio file"), said
+    assert "Check the image and speech you chose, then press Start again." in said, said
+
+    assert t["after_start"] == "connecting" and t["streaming_state"] == "speaking", t
+    assert 20 <= _fps(t) <= 28, t  # by the browser's own count
+    _audio_flows(t)
+    assert t["last"]["video"]["frameWidth"] == 64
+
+    n1, n2, n3 = (t[f"numbers_{k}"]["numbers"] for k in (1, 2, 3))
+    c1, c2, c3 = (t[f"numbers_{k}"]["chart"] for k in (1, 2, 3))
+    assert t["numbers_2"]["step_label"] == "Step time"
+    assert 20 <= _value(n3, "playback") <= 28, n3  # the last 5 s, past the start
+    gen, factor = _value(n2, "generation"), _value(n2, "generation", "realtime")
+    assert gen >= 20 and factor == pytest.approx(gen / 24, rel=1e-6), n2
+    p50, p90 = _value(n2, "step", "p50"), _value(n2, "step", "p90")
+    assert 0 < p50 <= p90 < 1.0, n2
+    assert 0 <= _value(n2, "queue", "steps") <= 2 and _value(n2, "queue", "frames") >= 0, n2
+    assert 0 < _value(n2, "latency") < 5, n2  # the clip's first sample to its frame
+    assert 0 <= _value(n2, "drift", "p90") <= _value(n2, "drift", "max") < 0.5, n2
+    assert c2["updates"] > c1["updates"] and c2["count"] > c1["count"], (c1, c2)
+    assert c2["points"] != c1["points"] and c2["count"] == len(c2["points"].split()), c2
+    assert c2["budget_label"] == "real-time budget 167 ms", c2
+
+    m = t["metrics"]  # read between numbers_2 and numbers_3: the same source
+    assert c2["count"] <= _metric(m, "charengine_step_seconds_count") <= c3["count"], (c2, c3)
+    assert _value(n2, "stalls") <= _metric(m, "charengine_stalls_total") <= _value(n3, "stalls")
+    live_p50 = _metric(m, 'charengine_live_step_seconds{quantile="0.5"}')
+    lo, hi = sorted((p50, _value(n3, "step", "p50")))
+    assert 0.8 * lo <= live_p50 <= 1.25 * hi, (live_p50, lo, hi)
+    live_fps = _metric(m, "charengine_live_playback_fps")
+    assert 20 <= live_fps <= 28, live_fps
+
+    wide, phone = t["wide_layout"], t["phone_layout"]
+    assert wide["controls"]["right"] <= wide["screen"]["left"], wide  # the character between
+    assert wide["numbers"]["left"] >= wide["screen"]["right"], wide  # the controls and numbers
+    assert wide["screen"]["width"] >= 500 and wide["numbers"]["bottom"] <= 800, wide
+    assert phone["controls"]["top"] >= phone["screen"]["bottom"], phone  # below it
+    assert phone["page_width"] <= 390 and phone["screen"]["width"] >= 340, phone
+    for name in ("serve_wide.png", "serve_phone.png"):
+        assert (tmp_path / "shots" / name).stat().st_size > 10_000
+
+    assert t["before_interrupt"] == "speaking" and t["interrupted"] == "interrupted", t
+    assert "The rest of the speech was dropped" in t["interrupted_page"]["message"]
+    assert t["stopped"] == "ended" and t["stopped_page"]["start_enabled"], t["stopped_page"]
+    said = t["bad_gateway"]
+    assert "the server answered 502 Bad Gateway" in said and "wait a moment" in said, said
+    assert t["bad_gateway_page"]["state"] == "error"
+    assert "charengine_sessions_started_total 1.0" in metrics_after
+    assert "charengine_sessions_finished_total 1.0" in metrics_after  # the page's Stop
+
+
+def test_the_microphone_streams_and_a_server_that_vanishes_is_told(netns, tmp_path):
+    server, url = _serve(netns, build_target(tmp_path), 8768)
+    try:
+        client = subprocess.Popen(_in_ns(netns, sys.executable,
+                                         str(ROOT / "tests/browser_client.py"), "--url", url,
+                                         "--image", str(ROOT / "assets/face.png"), "--mic",
+                                         "--seconds", "4", "--wait-error", "30",
+                                         "--shot", str(tmp_path / "mic.png")),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert client.stdout.readline().strip() == "STREAMING", client.stderr.read()
+        server.kill()  # the server goes away mid-session, without a word
+        out, err = client.communicate(timeout=120)
+        assert client.returncode == 0, out + err
+    finally:
+        _end(server)
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert 20 <= _fps(stats) <= 28, stats
+    _audio_flows(stats)
+    numbers = stats["page"]["numbers"]
+    assert 20 <= _value(numbers, "playback") <= 28, numbers
+    assert 0 < _value(numbers, "latency") < 5, numbers  # the microphone's speech to its frames
+    said = stats["error"]
+    assert "The connection to the server was lost" in said and "Press Start" in said, said
+    assert stats["after_error"]["state"] == "error" and stats["after_error"]["start_enabled"]
 
 
 def test_a_rank_that_dies_mid_session_is_told_to_the_page_and_the_next_session_runs(
@@ -139,10 +255,12 @@ def test_a_rank_that_dies_mid_session_is_told_to_the_page_and_the_next_session_r
 
     server, url = _serve(netns, build_target(tmp_path, "cpu-tiny-tp2"), 8766)
     try:
-        client = subprocess.Popen(_in_ns(netns, sys.executable, str(ROOT / "tests/browser_client.py"),
-                                         "--url", url, "--image", str(ROOT / "assets/face.png"),
+        client = subprocess.Popen(_in_ns(netns, sys.executable,
+                                         str(ROOT / "tests/browser_client.py"), "--url", url,
+                                         "--image", str(ROOT / "assets/face.png"),
                                          "--speech", str(ROOT / "assets/speech.wav"),
-                                         "--wait-error", "40", "--shot", str(tmp_path / "e.png")),
+                                         "--seconds", "0", "--wait-error", "40",
+                                         "--shot", str(tmp_path / "e.png")),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert client.stdout.readline().strip() == "STREAMING", client.stderr.read()
         ranks = [p for p in psutil.Process(server.pid).children(recursive=True)
@@ -151,14 +269,14 @@ def test_a_rank_that_dies_mid_session_is_told_to_the_page_and_the_next_session_r
         ranks[-1].kill()
         out, err = client.communicate(timeout=120)
         assert client.returncode == 0, out + err
-        said = json.loads(out.strip().splitlines()[-1])["error"]
+        result = json.loads(out.strip().splitlines()[-1])
+        said = result["error"]
         assert "The session stopped" in said and "died" in said and "Press Start" in said
-        r = subprocess.run(_in_ns(netns, sys.executable, str(ROOT / "tests/browser_client.py"),
-                                  "--url", url, "--image", str(ROOT / "assets/face.png"),
-                                  "--speech", str(ROOT / "assets/speech.wav"), "--seconds", "2",
-                                  "--shot", str(tmp_path / "again.png")),
-                           capture_output=True, text=True, timeout=180)
-        assert r.returncode == 0, r.stdout + r.stderr  # fresh ranks: video flows again
+        assert result["after_error"]["state"] == "error"
+        assert result["after_error"]["start_enabled"], result["after_error"]
+        _client(netns, url, "--image", str(ROOT / "assets/face.png"), "--speech",
+                str(ROOT / "assets/speech.wav"), "--seconds", "2",
+                "--shot", str(tmp_path / "again.png"))  # fresh ranks: video flows again
     finally:
         out = _end(server)
     assert "Traceback" not in out, out
@@ -167,21 +285,22 @@ def test_a_rank_that_dies_mid_session_is_told_to_the_page_and_the_next_session_r
 def test_the_page_streams_livetalk_at_16fps_to_chromium(netns, tmp_path):
     server, url = _serve(netns, build_target(tmp_path, "cpu-tiny-livetalk"), 8767)
     try:
-        r = subprocess.run(_in_ns(netns, sys.executable, str(ROOT / "tests/browser_client.py"),
-                                  "--url", url, "--image", str(ROOT / "assets/face.png"),
-                                  "--speech", str(ROOT / "assets/speech.wav"), "--seconds", "4",
-                                  "--shot", str(tmp_path / "page.png")),
-                           capture_output=True, text=True, timeout=180)
-        assert r.returncode == 0, r.stdout + r.stderr
-        stats = json.loads(r.stdout.strip().splitlines()[-1])
-        first, last = stats["first"], stats["last"]
-        fps = (last["video"]["framesDecoded"] - first["video"]["framesDecoded"]) / stats["elapsed"]
-        assert 13 <= fps <= 19, stats
-        assert last["video"]["frameWidth"] == 64
-        samples = last["audio"]["totalSamplesReceived"] - first["audio"]["totalSamplesReceived"]
-        assert samples > 0.8 * 48000 * stats["elapsed"], stats
+        stats = _client(netns, url, "--image", str(ROOT / "assets/face.png"), "--speech",
+                        str(ROOT / "assets/speech.wav"), "--seconds", "4",
+                        "--shot", str(tmp_path / "page.png"))
         status = json.loads(_get(netns, url + "status"))
-        assert status["model"] == "tiny-livetalk" and status["fps"] == 16
     finally:
         out = _end(server)
     assert "Traceback" not in out, out
+    assert 13 <= _fps(stats) <= 19, stats
+    assert stats["last"]["video"]["frameWidth"] == 64
+    _audio_flows(stats)
+    assert status["model"] == "tiny-livetalk" and status["fps"] == 16
+    page = stats["page"]
+    assert page["engine"]["family"] == "livetalk" and page["engine"]["fps"] == "16 fps"
+    assert page["engine"]["unit"] == "chunks of 12 frames", page["engine"]
+    assert page["step_label"] == "Chunk time"
+    numbers = page["numbers"]
+    assert 13 <= _value(numbers, "playback") <= 19, numbers
+    assert _value(numbers, "generation") > 0 and _value(numbers, "step", "p50") > 0, numbers
+    assert page["chart"]["budget_label"] == "real-time budget 750 ms", page["chart"]

@@ -1,7 +1,9 @@
 """charrun --serve as a client meets it, over real HTTP on loopback: every error is JSON with
 a 4xx status, uploads are decoded off the event loop (so /metrics answers meanwhile), an
 offer whose client never connects frees the server, and SIGTERM ends the server and every
-rank of a TP engine within 2 s with exit 0."""
+rank of a TP engine within 2 s with exit 0. /status names the engine, the page's files are
+served, an upload's error names its file; the live numbers the page is pushed and /metrics
+come from one object, and a live session reports its states and its speech's latency."""
 
 import asyncio
 import base64
@@ -37,7 +39,8 @@ class Served:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.p = subprocess.Popen(CHARRUN + ["--engine", str(engine), "--serve", "--port",
-                                             str(self.port), *flags],
+                                             str(self.port), "--health-port", str(free_port()),
+                                             *flags],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   env={**__import__("os").environ, "PYTHONUNBUFFERED": "1"})
         self.lines = []
@@ -177,3 +180,94 @@ def test_sigterm_ends_a_tp_server_and_its_ranks_within_2_s(engines):
     assert code == 0
     out = s.stop()
     assert "Traceback" not in out, out
+
+
+def test_status_names_the_engine_and_the_page_files_are_served(server):
+    status, _, data = server.request("/status")
+    engine = json.loads(data)["engine"]
+    assert status == 200 and engine == {
+        "family": "characters", "preset": "tiny", "target": "cpu-tiny", "device": "cpu",
+        "gpu": None, "tp": 1, "fps": 24, "width": 64, "height": 64, "frames_per_step": 4,
+        "unit": "step", "budget_s": 4 / 24, "slack": 2, "sample_rate": 16000}
+    status, _, page = server.request("/")
+    assert status == 200 and b'src="/static/page.js"' in page
+    for path, ctype in (("/static/page.js", "javascript"), ("/static/page.css", "text/css")):
+        status, got, body = server.request(path)
+        assert status == 200 and ctype in got and len(body) > 1000, (path, got)
+    status, ctype, data = server.request("/static/nope.js")
+    assert status == 404 and error_of(status, ctype, data)
+
+
+def test_an_upload_error_names_the_file_as_the_page_chose_it(server):
+    body = json.dumps({"sdp": "v=0", "type": "offer", "image_name": "holiday.txt",
+                       "image": "data:image/png;base64," + base64.b64encode(b"hi").decode()})
+    status, ctype, data = server.request("/offer", body.encode())
+    said = error_of(status, ctype, data)
+    assert status == 400 and said.startswith('the image "holiday.txt": not an image'), said
+    assert "BytesIO" not in said, said
+
+
+def metric(text: str, name: str) -> float:
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name + " ")))
+
+
+def test_the_live_numbers_and_metrics_come_from_one_object():
+    from charengine.runtime.metrics import Metrics
+
+    now = [100.0]
+    m = Metrics(target_fps=24, clock=lambda: now[0])
+    m.session_started()
+    for k in range(240):  # ten seconds at 24 fps, a step of four frames every 1/6 s
+        t = 90.0 + k / 24
+        now[0] = t
+        if k % 4 == 0:
+            m.step_done(0.05 if k % 8 else 0.1, 4)
+        m.frame(t + (0.004 if k % 2 else 0.0), t)
+    m.stall(0.08)
+    m.speech_latency(0.4)
+    m.queued(1, 6)
+    live = m.live()
+    assert live["playback_fps"] == pytest.approx(24, rel=1e-2)
+    assert live["generation_fps"] == pytest.approx(4 / 0.075)  # frames per diffusion second
+    assert live["realtime_factor"] == pytest.approx(4 / 0.075 / 24)
+    assert live["step_s"]["0.5"] == pytest.approx(0.075) and live["step_s"]["0.9"] == 0.1
+    assert len(live["steps"]) == 60 and live["steps"][-1][0] == pytest.approx(1 / 24 * 3)
+    assert live["drift_s"]["1.0"] == pytest.approx(0.004)
+    assert (live["stalls"], live["stall_s"], live["queued_steps"], live["queued_frames"]) == \
+        (1, 0.08, 1, 6)
+    text = m.exposition().decode()
+    assert metric(text, 'charengine_live_step_seconds{quantile="0.5"}') == live["step_s"]["0.5"]
+    assert metric(text, "charengine_live_playback_fps") == pytest.approx(live["playback_fps"])
+    assert metric(text, 'charengine_live_speech_latency_seconds{quantile="0.5"}') == 0.4
+    assert metric(text, "charengine_stalls_total") == 1.0
+    assert metric(text, "charengine_queued_frames") == 6.0
+    assert metric(text, "charengine_step_seconds_count") == 60.0
+    now[0] += 61.0  # a minute on: the window holds nothing, the totals stay
+    later = m.live()
+    assert later["steps"] == [] and later["playback_fps"] is None and later["stalls"] == 1
+
+
+def test_a_live_session_reports_its_states_and_the_latency_of_its_speech(engines):
+    import torch
+
+    from charengine.runtime.engine import Engine
+    from charengine.runtime.live import LiveSession, wait_until
+    from charengine.runtime.metrics import Metrics
+    from charengine.runtime.worker import Worker
+
+    worker, m, states = Worker(Engine.load(engines[0])), Metrics(), []
+    s = LiveSession(worker, lambda *a: None, metrics=m, on_state=states.append)
+    s.start(torch.rand(3, 64, 64))
+    assert wait_until(lambda: "listening" in states, 20), states
+    said = time.monotonic()
+    s.say(torch.randn(16000 * 2) * 0.1)
+    assert wait_until(lambda: m.live()["latency_s"]["last"] is not None, 20), states
+    heard = time.monotonic()
+    assert 0 < m.live()["latency_s"]["last"] <= heard - said, m.live()
+    assert states[:2] == ["listening", "speaking"], states
+    s.interrupt()
+    assert wait_until(lambda: s.state == "interrupted", 1)
+    time.sleep(0.5)
+    assert s.state == "interrupted"  # silence after a barge-in stays "interrupted"
+    s.stop()
+    assert states[-2:] == ["interrupted", "ended"] and m.live()["frames_played"] > 8, states
