@@ -12,13 +12,14 @@ import torch
 from safetensors.torch import save_file
 
 from charengine.config import config_to_dict
-from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, QUACK_KERNELS, SIDE,
-                                      TRITON_KERNELS, checksums, engine_files, gpu_arch,
+from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, ONNX, QUACK_KERNELS,
+                                      SIDE, TRITON_KERNELS, checksums, engine_files, gpu_arch,
                                       rank_file, sha256, this_machine)
 from charengine.family import family_of
 from charengine.target import Target
 
 from .build_config import BuildConfig
+from .onnx_export import export_onnx, require_onnx
 from .output import Staging
 from .so_check import StaticLibstdcxx, check_shared_objects
 
@@ -107,6 +108,8 @@ def build(config: BuildConfig, log=print) -> dict:
     if not ranks or ranks[0] < 0 or ranks[-1] >= cfg.tp:
         raise BuildError(f"ranks {ranks}: target {target.name} has ranks 0..{cfg.tp - 1}")
     staging = Staging(out)  # refuses an --out it must not replace, before any work
+    if config.export_onnx:
+        require_onnx()
     compile_kernels = kernels and target.device == "cuda"
     device = build_device(target, compile_kernels)
     side_seed = seed if seed is not None else 0
@@ -142,6 +145,7 @@ def build(config: BuildConfig, log=print) -> dict:
         tables = fam.bake_tables(cfg, state)
         save_file({k: t.contiguous().cpu() for k, t in tables.items()}, str(tmp / ADALN))
         save_file({k: v.contiguous() for k, v in side.items()}, str(tmp / SIDE))
+        onnx = export_onnx(cfg, side, tmp / ONNX, log) if config.export_onnx else None
         for r in ranks:
             rstate = fam.rank_weights(cfg, state, target.mapping(r))
             save_file({k: v.cpu() for k, v in rstate.items()}, str(tmp / rank_file(r)))
@@ -170,6 +174,8 @@ def build(config: BuildConfig, log=print) -> dict:
                 raise BuildError(str(e)) from None
         manifest = manifest_of(target, cfg, ranks, source, side_source, kernels,
                                checksums(tmp, engine_files(tmp)))
+        if onnx is not None:
+            manifest["onnx"] = onnx
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         staging.commit()
     return manifest

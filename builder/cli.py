@@ -11,16 +11,16 @@ import click
 from charengine.checkpoint import CheckpointError
 from charengine.family import all_presets
 
-from .build_config import REPO, BuildConfig, find_target
+from .build_config import CHECKPOINTS_DIR, BuildConfig, find_target
 
-# Trained checkpoints shipped in the repository: a preset's weights when none are given.
-EMBEDDED_CHECKPOINTS = {"tiny": REPO / "checkpoints" / "tiny.safetensors"}
+# Trained checkpoints shipped with the package: a preset's weights when none are given.
+EMBEDDED_CHECKPOINTS = {"tiny": CHECKPOINTS_DIR / "tiny.safetensors"}
 # Presets an engine may be built for with random weights without asking (test sizes).
 EMBEDDED_RANDOM_OK = ("tiny-10h", "tiny-livetalk")
 
 
 def config_of(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels,
-              random_side_networks, side_files=()) -> BuildConfig:
+              random_side_networks, side_files=(), export_onnx=False) -> BuildConfig:
     """The BuildConfig charbuild's flags give: without --weights or --random-weights, the
     preset's embedded checkpoint (or random weights for a test-size preset)."""
     if ranks is not None:
@@ -48,12 +48,13 @@ def config_of(target_name, out, weights, random_weights, seed, preset_name, rank
                                    "for benchmarks)")
     return BuildConfig(target, out, weights=weights, seed=None if weights else seed,
                        preset_name=preset_name, ranks=ranks, kernels=not no_kernels,
-                       random_side_networks=random_side_networks, side_files=side_files)
+                       random_side_networks=random_side_networks, side_files=side_files,
+                       export_onnx=export_onnx)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--target", "target_name", required=True,
-              help="Target name (a file in engines/targets/) or a path to a target .toml.")
+              help="Target name (a file in charengine/targets/) or a path to a target .toml.")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Engine directory to write: a new or empty directory, or an engine "
                    "directory, which is replaced once the new engine is complete.")
@@ -81,8 +82,13 @@ def config_of(target_name, out, weights, random_weights, seed, preset_name, rank
 @click.option("--no-kernels", is_flag=True,
               help="Do not compile a GPU target's kernels into the engine (charrun compiles "
                    "them at every start); lets a GPU engine be built without its GPU.")
+@click.option("--export-onnx", is_flag=True,
+              help="Also write the decoder and the audio encoder as ONNX (opset 18, fixed "
+                   "shapes) into the engine's onnx/ directory, each checked against torch "
+                   "through onnxruntime (pip install 'charengine[onnx]'), for runtimes such as "
+                   "TensorRT; charrun does not read them.")
 def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels,
-         random_side_networks, vae, wav2vec, prompt_features, text_encoder, prompt):
+         random_side_networks, vae, wav2vec, prompt_features, text_encoder, prompt, export_onnx):
     """Bake a per-rank engine: FP8 weights and scales, AdaLN tables for the fixed schedule,
     side networks, a GPU target's compiled kernels (built on that GPU), and a manifest with
     checksums that charrun checks before loading."""
@@ -100,7 +106,7 @@ def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no
     side_files = {"vae": vae, "wav2vec": wav2vec, "prompt_features": prompt_features,
                   "text_encoder": text_encoder, "prompt": prompt}
     config = config_of(target_name, out, weights, random_weights, seed, preset_name, ranks,
-                       no_kernels, random_side_networks, side_files)
+                       no_kernels, random_side_networks, side_files, export_onnx)
     try:
         m = build(config, log=lambda s: click.echo(s, err=True))
     except (CheckpointError, ValueError) as e:

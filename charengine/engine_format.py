@@ -9,6 +9,8 @@
     adaln.safetensors      baked AdaLN tables: adaln_table [passes, blocks, 3, d],
                            final_table [passes, 2, d]
     side.safetensors       audio encoder, decoder, image encoder, text encoder
+    onnx/                  charbuild --export-onnx: the decoder and the audio encoder as ONNX
+                           (for other runtimes; charrun neither reads nor checks them)
     kernels/triton/        GPU targets: the compiled Triton kernels (cubins and launchers) of
                            every code path a session runs, from a warm-up on the target GPU
 """
@@ -30,6 +32,7 @@ SIDE = "side.safetensors"
 KERNELS = "kernels"
 TRITON_KERNELS = f"{KERNELS}/triton"
 QUACK_KERNELS = f"{KERNELS}/quack"  # QuACK's compiled objects (CuTe DSL GEMMs), beside Triton's
+ONNX = "onnx"  # charbuild --export-onnx's graphs of the side networks (docs/ENGINE_FORMAT.md)
 CHUNK_BYTES = 1 << 28  # checksums per 256 MiB chunk, verified in parallel at load
 
 

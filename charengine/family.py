@@ -5,7 +5,8 @@ below: its spec type and presets; its checkpoint layout and loader; the tables i
 the fixed schedule; how a TP rank's weights are cut from the full state; the one function
 that assembles a rank (model, cache and session) from a rank state, a `Mapping` and the
 engine's GEMM plan; the warm-up that runs every code path of a session; its side networks
-(audio and image encoders, decoder, text encoder). The builder and the runtime speak to a
+(audio and image encoders, decoder, text encoder) and the graphs of them that charbuild
+exports as ONNX (`OnnxGraph`). The builder and the runtime speak to a
 family only through these members, so a family is added by writing its package and naming it
 in FAMILIES; no other family's code changes. docs/ARCHITECTURE.md draws where it plugs in.
 """
@@ -13,7 +14,7 @@ in FAMILIES; no other family's code changes. docs/ARCHITECTURE.md draws where it
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -50,6 +51,29 @@ class GemmProblem:
     m: int
     split: int = 0
     residual: torch.Tensor | None = None
+
+
+# Name prefixes of a causal cache's tensors in an exported graph: a conv's past input frames
+# going in, the frames it keeps for the next call coming out (followed by the module's path).
+PAST, PRESENT = "past.", "present."
+
+
+@dataclass
+class OnnxGraph:
+    """One side network as the runtime calls it, for ONNX export (a family's `onnx_graphs`):
+    `module`'s forward takes the tensors named `inputs`, in that order, and returns those
+    named `outputs`, every shape fixed by the spec. `calls` are the inputs of a session's
+    successive calls, to check the export by: the first call gives every input, a later one
+    only those not in `carry`, which maps an output to the input it becomes at the next call
+    (a causal cache). `doc` says what one call computes."""
+
+    name: str
+    module: torch.nn.Module
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    calls: list[dict[str, torch.Tensor]]
+    carry: dict[str, str] = field(default_factory=dict)
+    doc: str = ""
 
 
 class Family(Protocol):
@@ -132,6 +156,10 @@ class Family(Protocol):
     def load_side(self, spec, side: dict, device):
         ...
 
+    def onnx_graphs(self, spec, side) -> list[OnnxGraph]:
+        """The decoder and the audio encoder of loaded side networks (`load_side` on the CPU)
+        as the graphs charbuild --export-onnx writes."""
+
 
 class FamilyModules:
     """The members every family delegates to its own modules the same way (its package's
@@ -160,6 +188,9 @@ class FamilyModules:
 
     def warm_up_side(self, side, spec, device) -> None:
         self._module("warmup").warm_up_side(side, spec, device)
+
+    def onnx_graphs(self, spec, side) -> list[OnnxGraph]:
+        return self._module("onnx_graphs").onnx_graphs(spec, side)
 
     def block_linear_params(self, spec) -> int:
         return spec.block_linear_params()

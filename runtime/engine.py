@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from charengine.config import EngineConfig, config_from_dict
-from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, SIDE, checksums,
+from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, ONNX, SIDE, checksums,
                                       rank_file, this_machine)
 from charengine.kernel_cache import KernelCache
 from charengine.target import Target
@@ -166,7 +166,9 @@ class Engine:
         check_machine(target, manifest.get("built_with", {}), machine or this_machine(), gpus,
                       kernels=bool(kernels.get("compiled")))
         check_quack(target, kernels.get("quack"))
-        files = manifest.get("files", {})
+        # what charrun reads: the ONNX graphs of --export-onnx are for other runtimes
+        files = {n: e for n, e in manifest.get("files", {}).items()
+                 if not n.startswith(f"{ONNX}/")}
         expected = {ADALN, SIDE, *(rank_file(r) for r in built)}
         for name in sorted(expected | set(files)):
             f = path / name

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from .spec import ModelSpec
 
+LOG_MEL_FLOOR = 1e-6  # added to the mel power before its log
+
 
 def mel_filterbank(n_mels: int, n_fft: int, sr: int) -> torch.Tensor:
     """Triangular filters on the HTK mel scale, [n_mels, n_fft // 2 + 1]."""
@@ -73,7 +75,7 @@ class AudioEncoder(torch.nn.Module):
         s = self.spec.side
         spec = torch.stft(samples, s.n_fft, s.hop, window=self.window, center=False,
                           return_complex=True).abs().pow(2)
-        return torch.log(self.mel @ spec + 1e-6)  # [n_mels, audio_context]
+        return torch.log(self.mel @ spec + LOG_MEL_FLOOR)  # [n_mels, audio_context]
 
     def forward(self, window: torch.Tensor) -> torch.Tensor:
         """One step's sample window [window_samples] -> features [audio_tokens, audio_dim]."""
