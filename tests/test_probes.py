@@ -10,7 +10,6 @@ a job runs against the loopback rooms of tests/livekit_loopback.py."""
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 
 from charengine.runtime.lifecycle import END_RESERVE_S
 from engines import ROOT, build_target
+from netns import can_netns, namespace
 
 pytestmark = pytest.mark.slow
 CHARRUN = [sys.executable, "-m", "charengine.runtime.cli"]
@@ -277,34 +277,13 @@ def test_a_probe_port_in_use_is_refused_before_the_engine_loads(engines):
 
 # ---- mid-session, with a connected peer (inside a network namespace of the test's own) ----
 
-def _can_netns() -> bool:
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        return False
-    name = f"charprobe{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return ok
-
-
 @pytest.fixture
 def netns():
-    """A network namespace with loopback and a veth pair, both ends inside it (aioice gathers
-    no loopback candidates; no traffic leaves the namespace)."""
-    if not _can_netns():
+    """The command prefix that runs inside a network namespace of the test's own."""
+    if not can_netns():
         pytest.skip("needs root and iproute2 (network namespaces) for a WebRTC peer")
-    name = f"charpr{os.getpid()}"
-    run = lambda *a: subprocess.run(["ip", *a], check=True, capture_output=True)  # noqa: E731
-    run("netns", "add", name)
-    try:
-        run("-n", name, "link", "set", "lo", "up")
-        run("-n", name, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
-        for dev, addr in (("v0", "10.233.1.1/24"), ("v1", "10.233.1.2/24")):
-            run("-n", name, "addr", "add", addr, "dev", dev)
-            run("-n", name, "link", "set", dev, "up")
+    with namespace("charpr", "10.233.1") as name:
         yield ["ip", "netns", "exec", name]
-    finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 @pytest.mark.parametrize("engine", ["tiny", "tp2"])

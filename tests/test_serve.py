@@ -15,18 +15,9 @@ import time
 import pytest
 
 from engines import ROOT, build_target
+from netns import can_netns, namespace
 
 CHROMIUM = shutil.which("chromium")
-
-
-def _can_netns() -> bool:
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        return False
-    name = f"charprobe{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return ok
 
 
 def _have_playwright() -> bool:
@@ -38,24 +29,14 @@ def _have_playwright() -> bool:
 
 
 pytestmark = pytest.mark.skipif(
-    not (CHROMIUM and _have_playwright() and _can_netns()),
+    not (CHROMIUM and _have_playwright() and can_netns()),
     reason="needs root (network namespaces), Debian's chromium and playwright")
 
 
 @pytest.fixture
 def netns():
-    name = f"charns{os.getpid()}"
-    run = lambda *a: subprocess.run(["ip", *a], check=True, capture_output=True)  # noqa: E731
-    run("netns", "add", name)
-    try:
-        run("-n", name, "link", "set", "lo", "up")
-        run("-n", name, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
-        for dev, addr in (("v0", "10.233.0.1/24"), ("v1", "10.233.0.2/24")):
-            run("-n", name, "addr", "add", addr, "dev", dev)
-            run("-n", name, "link", "set", dev, "up")
+    with namespace("charns", "10.233.0") as name:
         yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def _in_ns(ns, *cmd):
