@@ -12,7 +12,6 @@ reset keeps positions bounded, so step time and memory stay flat however long th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import resource
 import time
@@ -21,8 +20,9 @@ from pathlib import Path
 import torch
 
 from charengine.assemble import rank_session
-from charengine.config import Numerics, preset
+from charengine.config import preset
 from charengine.family import family
+from charengine.livetalk.spec import ARMS, arm_config
 from charengine.mapping import Mapping
 from charengine.timing import Span, median
 
@@ -41,12 +41,7 @@ def load(args):
         return worker.session, worker.spec, worker.device
     cfg = preset(args.preset)
     fam = family(cfg.family)
-    if args.arm != "preset":  # the plain path, or every switch with bf16 GEMMs and cache
-        sw = fam.config_types["switches"]
-        cfg = cfg.replace(switches=sw.baseline() if args.arm == "plain" else
-                          dataclasses.replace(sw(), fp8_kv=False),
-                          numerics=Numerics(dtype="bfloat16", fp8_gemm=False,
-                                            fp8_attention=False))
+    cfg = arm_config(cfg, args.arm)
     device = torch.device(args.device)
     full = fam.random_weights(cfg.model, args.seed)
     state = fam.rank_state(cfg, full)
@@ -64,7 +59,7 @@ def main():
     ap.add_argument("--preset", default="tiny-livetalk")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--minutes", type=float, default=30.0, help="of video at the model's fps")
-    ap.add_argument("--arm", choices=("preset", "plain", "bf16"), default="preset",
+    ap.add_argument("--arm", choices=ARMS, default="preset",
                     help="without --engine: the preset's switches and numerics, the plain "
                          "path in bf16, or every switch with bf16 GEMMs and cache")
     ap.add_argument("--seed", type=int, default=0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -21,8 +20,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from charengine.assemble import rank_session
-from charengine.config import Numerics, preset
+from charengine.config import preset
 from charengine.family import family
+from charengine.livetalk.spec import arm_config
 from charengine.mapping import Mapping
 from charengine.timing import Span, median
 
@@ -41,10 +41,11 @@ def group(name: str) -> str:
     return next((g for key, g in GROUPS if key in low), "other")
 
 
-def chunk_flop(spec) -> dict[str, float]:
+def chunk_flop(cfg) -> dict[str, float]:
     """A steady chunk's GEMM and self-attention FLOP (passes + the commit pass)."""
+    spec = cfg.model
     T, d, f, L = spec.chunk_tokens, spec.dim, spec.ffn_dim, spec.n_blocks
-    forwards = 5
+    forwards = cfg.schedule.passes + 1
     gemm = 2 * T * L * (4 * d * d + 2 * d * d + 2 * d * f) * forwards
     S = spec.cache_frames * spec.frame_tokens
     attn = 4 * T * S * spec.head_dim * spec.n_heads * L * forwards
@@ -62,11 +63,7 @@ def main():
     args = ap.parse_args()
     cfg = preset(args.preset)
     fam = family(cfg.family)
-    if args.arm == "bf16":
-        cfg = cfg.replace(switches=dataclasses.replace(fam.config_types["switches"](),
-                                                       fp8_kv=False),
-                          numerics=Numerics(dtype="bfloat16", fp8_gemm=False,
-                                            fp8_attention=False))
+    cfg = arm_config(cfg, args.arm)
     dev = torch.device("cuda")
     full = fam.random_weights(cfg.model, args.seed)
     session = rank_session(cfg, fam.rank_state(cfg, full), Mapping.single("cuda"),
@@ -102,7 +99,7 @@ def main():
     groups = collections.Counter()
     for name, t in kernels.items():
         groups[group(name)] += t
-    flop = chunk_flop(spec)
+    flop = chunk_flop(cfg)
     precision = "fp8" if cfg.numerics.fp8_gemm else "bf16"
     floors = {"gemm_floor_ms": flop["gemm_tflop"] / DENSE_TFLOPS[precision] * 1e3,
               "attention_floor_ms": flop["attention_tflop"] / DENSE_TFLOPS[

@@ -154,8 +154,8 @@ class ChunkCache:
     def read_fp8(self, b: int, n: int):
         """Block b's first n slots as they lie in the FP8 cache: k8, v8 [heads, n, head_dim]
         views (v8's slots contiguous) and their per-head scales [heads, 1, 1]."""
-        return (self.k8[b, :, :n], self.v8[b, :, :, :n].transpose(1, 2), self.scale[b, 0],
-                self.scale[b, 1])
+        k8, v8, ks, vs = self.stores_fp8(b)
+        return k8[:, :n], v8[:, :n], ks, vs
 
     def calibrate(self, n: int) -> None:
         """Set the FP8 scales from the first n slots of every block and quantize them."""

@@ -263,3 +263,21 @@ TINY = LiveTalkSpec(name="tiny-livetalk", dim=64, n_blocks=6, n_heads=2, ffn_dim
                     text_dim=32, prompt_tokens=16, freq_dim=32, latent_h=8, latent_w=8,
                     audio_hidden=8, text_encoder="tiny-umt5", audio=TINY_AUDIO, vae=TINY_VAE)
 PRESETS = {s.name: s for s in (LIVETALK_1_3B, TINY)}
+
+
+# the benchmark scripts' arms: the preset as it is, the plain path in bf16, every switch with
+# bf16 GEMMs and cache
+ARMS = ("preset", "plain", "bf16")
+
+
+def arm_config(cfg, arm: str):
+    """cfg (an EngineConfig of this family) as the arm `arm` of ARMS runs it."""
+    from ..config import Numerics
+
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
+    if arm == "preset":
+        return cfg
+    return cfg.replace(switches=LiveTalkSwitches.baseline() if arm == "plain" else
+                       dataclasses.replace(LiveTalkSwitches(), fp8_kv=False),
+                       numerics=Numerics(dtype="bfloat16", fp8_gemm=False, fp8_attention=False))
