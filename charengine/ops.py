@@ -17,6 +17,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU in its tanh form (LiveTalk's FFN, as upstream's nn.GELU(approximate="tanh"))."""
+    return F.gelu(x, approximate="tanh")
+
+
 def gated_residual(h: torch.Tensor, gate: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """h + gate * o, rounded after the product and after the sum."""
     return h + gate * o

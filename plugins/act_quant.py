@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from charengine import fp8
-from charengine.ops import gated_residual_once, modulate, swiglu
+from charengine.ops import gated_residual_once, gelu_tanh, modulate, swiglu
 
 from . import registry
 
@@ -37,6 +38,31 @@ def residual_norm_modulate_reference(h: torch.Tensor, o: torch.Tensor, gate: tor
     new h)."""
     h = gated_residual_once(h, gate, o)
     return (*norm_modulate_reference(h, shift, scale, eps), h)
+
+
+def residual_layer_norm_reference(h: torch.Tensor, o: torch.Tensor, gate: torch.Tensor,
+                                  weight: torch.Tensor, bias: torch.Tensor, eps: float):
+    """h + gate * o (one rounding), then a layer norm with its own weight and bias (one
+    rounding, F.layer_norm's), quantized per token. h, o [T, d]; gate, weight, bias [d].
+    Returns (q, scale, the new h)."""
+    h = gated_residual_once(h, gate, o)
+    return (*fp8.quantize_rows(F.layer_norm(h, (h.shape[-1],), weight, bias, eps)), h)
+
+
+def residual_add_norm_modulate_reference(h: torch.Tensor, o: torch.Tensor, gate: torch.Tensor,
+                                         add: torch.Tensor, shift: torch.Tensor,
+                                         scale: torch.Tensor, eps: float):
+    """h + gate * o (one rounding), then plus add's row for each group of T / F tokens
+    (add [F, d]: a frame's audio, rounded), then as `norm_modulate_reference`. Returns (q,
+    scale, the new h)."""
+    h = gated_residual_once(h, gate, o)
+    h = add.repeat_interleave(h.shape[0] // add.shape[0], dim=0) + h
+    return (*norm_modulate_reference(h, shift, scale, eps), h)
+
+
+def gelu_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gelu(x) (tanh form, rounded to x's dtype), quantized per token. x [T, K]."""
+    return fp8.quantize_rows(gelu_tanh(x))
 
 
 def swiglu_reference(attn: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
@@ -85,7 +111,22 @@ def triton_residual_norm_modulate_quant(h, o, gate, shift, scale, eps, warps: in
     return _norm_modulate(h, o, gate, shift, scale, eps, warps)
 
 
-def _norm_modulate(h, o, gate, shift, scale, eps, warps):
+def triton_residual_layer_norm_quant(h, o, gate, weight, bias, eps, warps: int | None = None):
+    """The kernel with the residual add in front and the norm's own weight and bias;
+    arguments and result as `residual_layer_norm_reference`."""
+    return _norm_modulate(h, o, gate, bias, weight, eps, warps, affine=True)
+
+
+def triton_residual_add_norm_modulate_quant(h, o, gate, add, shift, scale, eps,
+                                            warps: int | None = None):
+    """The kernel with the residual add and a frame's row of `add` in front; arguments and
+    result as `residual_add_norm_modulate_reference`."""
+    if h.shape[0] % add.shape[0]:
+        raise ValueError(f"add's {add.shape[0]} rows do not divide h's {h.shape[0]} tokens")
+    return _norm_modulate(h, o, gate, shift, scale, eps, warps, add=add)
+
+
+def _norm_modulate(h, o, gate, shift, scale, eps, warps, add=None, affine=False):
     import triton
 
     if h.stride(-1) != 1:
@@ -96,17 +137,38 @@ def _norm_modulate(h, o, gate, shift, scale, eps, warps):
     residual = o is not None
     if residual:
         o, gate = o.contiguous(), gate.contiguous()
-        h_out = torch.empty_like(h)
     else:
-        o = gate = h_out = h  # unused pointers
+        o = gate = h  # unused pointers
+    h_out = torch.empty_like(h) if residual or add is not None else h
+    if add is not None:
+        add = add.contiguous()
     block = triton.next_power_of_2(d)
     from .kernels.act_quant import norm_modulate_quant_kernel
 
     norm_modulate_quant_kernel[(T,)](h, shift.contiguous(), scale.contiguous(), q, s, o, gate,
-                                     h_out, d, eps, h.stride(0), q.stride(0), o.stride(0),
-                                     h_out.stride(0), BLOCK=block, RESIDUAL=residual,
+                                     h_out, h if add is None else add, d,
+                                     1 if add is None else T // add.shape[0], eps, h.stride(0),
+                                     q.stride(0), o.stride(0), h_out.stride(0),
+                                     0 if add is None else add.stride(0), BLOCK=block,
+                                     RESIDUAL=residual, ADD=add is not None, AFFINE=affine,
                                      num_warps=warps or max(1, min(8, block // 1024)))
     return q, s, h_out
+
+
+def triton_gelu_quant(x, warps: int = 16):
+    """The one-pass kernel; arguments and result as `gelu_quant_reference` (x's rows
+    contiguous)."""
+    if x.stride(-1) != 1:
+        raise ValueError("x needs contiguous rows")
+    T, K = x.shape
+    q = torch.empty((T, K), dtype=fp8.FP8, device=x.device)
+    s = torch.empty((T, 1), dtype=torch.float32, device=x.device)
+    from .kernels.act_quant import gelu_quant_kernel
+
+    hi, lo = pow2_split(K)
+    gelu_quant_kernel[(T,)](x, q, s, K, x.stride(0), q.stride(0), HI=hi, LO=lo,
+                            num_warps=warps)
+    return q, s
 
 
 def _swiglu_outputs(attn, gate, up):
@@ -196,6 +258,9 @@ class ActQuantOps:
     residual_norm_modulate: object
     swiglu: object
     concat_quant: object
+    residual_layer_norm: object
+    residual_add_norm_modulate: object
+    gelu: object
 
 
 def select() -> ActQuantOps:
@@ -204,13 +269,15 @@ def select() -> ActQuantOps:
     ops = torch.ops.charengine
     return ActQuantOps(ops.act_quant.default, ops.norm_modulate_quant.default,
                        ops.residual_norm_modulate_quant.default, ops.swiglu_quant.default,
-                       ops.concat_quant.default)
+                       ops.concat_quant.default, ops.residual_layer_norm_quant.default,
+                       ops.residual_add_norm_modulate_quant.default, ops.gelu_quant.default)
 
 
 def plain() -> ActQuantOps:
     """The references, used where fused_act_quant is off."""
     return ActQuantOps(reference, norm_modulate_reference, residual_norm_modulate_reference,
-                       swiglu_reference, concat_quant_reference)
+                       swiglu_reference, concat_quant_reference, residual_layer_norm_reference,
+                       residual_add_norm_modulate_reference, gelu_quant_reference)
 
 
 registry.register("act_quant", "(Tensor x) -> (Tensor, Tensor)", reference, triton_act_quant,
@@ -231,3 +298,17 @@ registry.register("swiglu_quant", "(Tensor attn_out, Tensor gate, Tensor up) -> 
 registry.register("concat_quant", "(Tensor attn_out, Tensor? attn_amax, Tensor y, Tensor y_amax) "
                   "-> (Tensor, Tensor)", concat_quant_reference, triton_concat_quant,
                   lambda a, am, y, ym: registry.rows_and_scale(a, a.shape[1] + y.shape[1]))
+registry.register("residual_layer_norm_quant",
+                  "(Tensor h, Tensor o, Tensor gate, Tensor weight, Tensor bias, float eps) "
+                  "-> (Tensor, Tensor, Tensor)",
+                  residual_layer_norm_reference, triton_residual_layer_norm_quant,
+                  lambda h, o, gate, w, b, eps: (*registry.rows_and_scale(h, h.shape[1]),
+                                                 torch.empty_like(h)))
+registry.register("residual_add_norm_modulate_quant",
+                  "(Tensor h, Tensor o, Tensor gate, Tensor add, Tensor shift, Tensor scale, "
+                  "float eps) -> (Tensor, Tensor, Tensor)",
+                  residual_add_norm_modulate_reference, triton_residual_add_norm_modulate_quant,
+                  lambda h, o, gate, add, shift, scale, eps: (
+                      *registry.rows_and_scale(h, h.shape[1]), torch.empty_like(h)))
+registry.register("gelu_quant", "(Tensor x) -> (Tensor, Tensor)", gelu_quant_reference,
+                  triton_gelu_quant, lambda x: registry.rows_and_scale(x, x.shape[1]))

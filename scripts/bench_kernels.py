@@ -78,7 +78,9 @@ def rowwise_weights(n: int, N: int, K: int, dev, g, spread: float = 1.0):
     return [(q, s[:, 0].contiguous()) for q, s in ws]
 
 
-def bench_attention(H, T, S, D, calls, reps, dev):
+def bench_attention(H, T, S, D, calls, reps, dev, extra=()):
+    """The attention kernel's candidate tiles (and `extra` AttentionTiles, V transposed) at
+    H heads, T queries, S keys of head dim D, beside cuDNN's bf16 attention."""
     g = torch.Generator(device=dev).manual_seed(0)
     n = 8  # distinct caches, 8 x 2 x H x S x D bytes: past L2
     q = torch.randn(H, T, D, device=dev, generator=g).to(torch.bfloat16)
@@ -113,6 +115,7 @@ def bench_attention(H, T, S, D, calls, reps, dev):
     candidates += [(T_(bm, bn, w, st, True, True, True), "v_transposed")
                    for bm, bn, w, st in ((64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3),
                                          (128, 128, 8, 3))]
+    candidates += [(t, "v_transposed") for t in extra]
     candidates += [(T_(128, 64, 8, 3, False, False), "v_rows"),
                    (T_(128, 128, 8, 3, False, True), "v_rows"),
                    (T_(64, 128, 4, 3, True, False), "v_rows")]

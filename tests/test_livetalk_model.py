@@ -198,3 +198,32 @@ def test_the_fused_pre_attention_equals_the_unfused_path_on_the_cpu():
                             nm), ins)
     for a, b in zip(fused, apart):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("switch", ["fused_gelu_quant", "fused_q_norm"])
+def test_the_fused_epilogues_equal_the_unfused_path_on_the_cpu(switch):
+    """GELU + quantize and the q norm kernel: their references (what the CPU runs) are the
+    unfused path's math, so the chunks are equal, across a reset."""
+    ins = inputs(TINY, 8)
+    nm = Numerics(dtype="bfloat16")
+    fused = rollout(session(LiveTalkSwitches(), nm), ins)
+    apart = rollout(session(dataclasses.replace(LiveTalkSwitches(), **{switch: False}), nm), ins)
+    for a, b in zip(fused, apart):
+        assert torch.equal(a, b)
+
+
+def test_the_fused_residual_moves_only_roundings():
+    """The gated residuals added inside the next norm's kernel round once (as addcmul) where
+    the unfused path rounds the product and then the sum: per chunk, across resets, the two
+    differ by less than the FP8 path's own distance from fp32, and the fused one is no
+    farther from fp32 than that distance and half again."""
+    ins = inputs(TINY, 10)
+    nm = Numerics(dtype="bfloat16")
+    ref = rollout(session(FAST_FP32), ins)
+    fused = rollout(session(LiveTalkSwitches(), nm), ins)
+    apart = rollout(session(dataclasses.replace(LiveTalkSwitches(), fused_residual=False), nm),
+                    ins)
+    for r, a, b in zip(ref, fused, apart):
+        moved, err = float((a - b).norm() / r.norm()), float((b - r).norm() / r.norm())
+        assert 0 < moved < err
+        assert float((a - r).norm() / r.norm()) < 1.5 * err

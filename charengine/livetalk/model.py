@@ -15,16 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import fp8
-from ..ops import gated_residual, modulate
+from ..ops import gated_residual, gated_residual_once, gelu_tanh, modulate
 from ..ops import rms_norm_width as rms_norm
-from ..plugins import act_quant, attention, pre_attention_width
+from ..plugins import act_quant, attention, pre_attention_width, rms_norm as rms_norm_op
 from .cache import ChunkCache
 from .rope import ComplexRotation, TableRotation
 from .spec import LiveTalkSpec
-
-
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
 
 
 def sinusoid(timestep: float, width: int, dtype) -> torch.Tensor:
@@ -59,6 +55,10 @@ class LiveTalkDiT:
         self.act = act_quant.select() if sw.fused_act_quant else act_quant.plain()
         self.attend8 = attention.select(self.spec.head_dim)
         self.pre_attention = pre_attention_width.op if sw.fused_pre_attention else None
+        self.q_norm = rms_norm_op.select() if sw.fused_q_norm else rms_norm
+        # the fused epilogues that hand their FP8 quantization to the next linear
+        self.fused_residual = self.fused_input and sw.fused_residual
+        self.fused_gelu = self.fp8_linears and sw.fused_gelu_quant
         self.ones = torch.ones(self.spec.dim, device=self.device, dtype=self.dtype)
         if sw.baked_adaln:
             tables = tables if tables is not None else self.bake_tables()
@@ -134,7 +134,7 @@ class LiveTalkDiT:
         mask_first = mask.clone()
         mask_first[:, 0] = 0
         x = prompt.to(self.device, dt)
-        context = self.linear("text_embedding.2", gelu(self.linear("text_embedding.0", x)))
+        context = self.linear("text_embedding.2", gelu_tanh(self.linear("text_embedding.0", x)))
         # written into the same tensors every session: captured graphs read these buffers
         self._keep("ref", ref)
         self._keep("y_next", torch.cat([frames, mask]))
@@ -192,12 +192,18 @@ class LiveTalkDiT:
         h = h.flatten(2)[0].t()  # [F * T, dim], tokens ordered (frame, row, column)
         mods, head_mod = self.modulations(p)
         T, eps, last = spec.frame_tokens, spec.norm_eps, spec.n_blocks - 1
+        pending = None  # with fused_residual: the FFN residual (gate, output) not yet added
         for b in range(spec.n_blocks):
-            if b in self.audio_at:
-                h = audio[self.audio_at[b]].repeat_interleave(T, dim=0) + h
+            add = audio[self.audio_at[b]] if b in self.audio_at else None
             shift1, scale1, gate1, shift2, scale2, gate2 = mods[b]
+            if pending is not None:  # the residual and the audio inside the AdaLN kernel
+                a, h = self.residual_input(h, *pending, add, shift1, scale1)
+            else:
+                if add is not None:
+                    h = add.repeat_interleave(T, dim=0) + h
+                a = self.norm_input(h, shift1, scale1)
             pre = f"blocks.{b}.self_attn"
-            q, k, v = self.qkv(b, self.norm_input(h, shift1, scale1))
+            q, k, v = self.qkv(b, a)
             qn, kn = w[f"{pre}.norm_q.weight"], w[f"{pre}.norm_k.weight"]
             if self.fused_pre(cache):  # the FP8 queries; K/V written
                 q = self.pre_attention(self.heads(q), self.heads(k), self.heads(v), qn, kn,
@@ -208,9 +214,15 @@ class LiveTalkDiT:
                 cache.write(b, rope(self.heads(rms_norm(k, kn, eps))), self.heads(v))
             if commit and b == last and self.cfg.switches.skip_commit_tail:
                 return None
-            o = self.self_attention(b, q, cache, n_slots)
-            h = gated_residual(h, gate1, self.linear(f"{pre}.o", o, "attn"))
-            cross = self.cross_attention(b, h, cache)
+            o = self.linear(f"{pre}.o", self.self_attention(b, q, cache, n_slots), "attn")
+            n3w, n3b = w[f"blocks.{b}.norm3.weight"], w[f"blocks.{b}.norm3.bias"]
+            if self.fused_residual:  # the residual inside the cross-attention's norm kernel
+                aq, a_s, h = self.act.residual_layer_norm(h, o, gate1, n3w, n3b, eps)
+                a = (aq, a_s)
+            else:
+                h = gated_residual(h, gate1, o)
+                a = F.layer_norm(h, (spec.dim,), n3w, n3b, eps)
+            cross = self.cross_attention(b, a, cache)
             if self.fused_input:  # the residual add inside the FFN input's quantization
                 aq, a_s, h = self.act.residual_norm_modulate(h, cross, self.ones, shift2,
                                                              scale2, eps)
@@ -218,9 +230,15 @@ class LiveTalkDiT:
             else:
                 h = h + cross
                 a = modulate(h, shift2, scale2, eps)
-            up = gelu(self.linear(f"blocks.{b}.ffn.0", a, "ffn_up"))
+            up = self.linear(f"blocks.{b}.ffn.0", a, "ffn_up")
+            up = self.act.gelu(up) if self.fused_gelu else gelu_tanh(up)
             f = self.linear(f"blocks.{b}.ffn.2", up, "ffn_down")
-            h = gated_residual(h, gate2, f)
+            if self.fused_residual:
+                pending = (f, gate2)
+            else:
+                h = gated_residual(h, gate2, f)
+        if pending is not None:
+            h = gated_residual_once(h, gate2, pending[0])
         shift, scale = head_mod
         out = self.linear("head.head", modulate(h, shift, scale, eps))
         return self.unpatchify(out, x.shape[1])
@@ -236,6 +254,16 @@ class LiveTalkDiT:
         if self.fused_input:
             return self.act.norm_modulate(h, shift, scale, self.spec.norm_eps)
         return modulate(h, shift, scale, self.spec.norm_eps)
+
+    def residual_input(self, h, o, gate, add, shift, scale):
+        """The next block's AdaLN input quantized, with the previous block's gated residual
+        h + gate * o (and the block's audio rows, `add`) added inside: (q, scale), new h."""
+        eps = self.spec.norm_eps
+        if add is None:
+            aq, a_s, h = self.act.residual_norm_modulate(h, o, gate, shift, scale, eps)
+        else:
+            aq, a_s, h = self.act.residual_add_norm_modulate(h, o, gate, add, shift, scale, eps)
+        return (aq, a_s), h
 
     def qkv(self, b: int, a) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block b's q, k, v [T, dim]: one GEMM (fused_qkv, its output split) or three."""
@@ -267,11 +295,11 @@ class LiveTalkDiT:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None])
         return o[0].transpose(0, 1).flatten(1)
 
-    def cross_attention(self, b: int, h: torch.Tensor, cache: ChunkCache) -> torch.Tensor:
+    def cross_attention(self, b: int, a, cache: ChunkCache) -> torch.Tensor:
+        """a: the normed input (norm3's), or its FP8 quantization (q, scale)."""
         spec, w, pre = self.spec, self.w, f"blocks.{b}.cross_attn"
-        a = F.layer_norm(h, (spec.dim,), w[f"blocks.{b}.norm3.weight"], w[f"blocks.{b}.norm3.bias"],
-                         spec.norm_eps)
-        q = rms_norm(self.linear(f"{pre}.q", a, "attn"), w[f"{pre}.norm_q.weight"], spec.norm_eps)
+        q = self.q_norm(self.linear(f"{pre}.q", a, "attn"), w[f"{pre}.norm_q.weight"],
+                        spec.norm_eps)
         if self.cfg.switches.text_kv_once:
             k, v = cache.text_k[b], cache.text_v[b]
         else:

@@ -240,11 +240,17 @@ class LiveTalkSwitches:
     # with the FP8 cache in use: the q/k norm across heads, RoPE, the queries' quantization and
     # the K/V quantization and ring write in one kernel (plugins/pre_attention_width.py)
     fused_pre_attention: bool = True
+    # with fused_act_quant: each gated residual add (and the audio add before a block) inside
+    # the quantizing norm that follows it: the cross-attention's layer norm, the next
+    # block's AdaLN
+    fused_residual: bool = True
+    fused_gelu_quant: bool = True  # the FFN's GELU and its per-token quantization, one kernel
+    fused_q_norm: bool = True  # the cross-attention's q RMS norm in one kernel, not six ops
     skip_commit_tail: bool = True  # the commit pass stops after the last block's K/V
 
     ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
              "fp8_kv", "fused_qkv", "fused_act_quant", "gemm_bias", "fused_pre_attention",
-             "skip_commit_tail")
+             "fused_residual", "fused_gelu_quant", "fused_q_norm", "skip_commit_tail")
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":

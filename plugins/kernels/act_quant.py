@@ -26,15 +26,19 @@ def act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.const
 
 @triton.jit
 def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, o_ptr, gate_ptr,
-                               hout_ptr, d, eps, stride_h, stride_q, stride_o, stride_hout,
-                               BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+                               hout_ptr, add_ptr, d, rows_per_add, eps, stride_h, stride_q,
+                               stride_o, stride_hout, stride_add, BLOCK: tl.constexpr,
+                               RESIDUAL: tl.constexpr, ADD: tl.constexpr = False,
+                               AFFINE: tl.constexpr = False):
     """One token's row: with RESIDUAL, first h + gate * o (the previous block's gated
-    residual, rounded to the compute dtype and stored), then LN, modulation and the per-token
-    quantization. The row waits for its reductions in the compute dtype (fewer registers
-    than fp32; no faster alone, the division was the cost). Several rows per program
-    sharing the modulation vectors, a persistent grid prefetching the next row and chunked
-    passes re-reading the row from L2 all measured slower (docs/PERFORMANCE.md, "Kernels
-    alone")."""
+    residual, rounded to the compute dtype), with ADD then a row of `add` (one per
+    rows_per_add tokens: a frame's audio) added and rounded, the new h stored; then LN,
+    modulation (or, with AFFINE, the norm's own weight in `scale` and bias in `shift`, one
+    rounding as F.layer_norm) and the per-token quantization. The row waits for its
+    reductions in the compute dtype (fewer registers than fp32; no faster alone, the
+    division was the cost). Several rows per program sharing the modulation vectors, a
+    persistent grid prefetching the next row and chunked passes re-reading the row from L2
+    all measured slower (docs/PERFORMANCE.md, "Kernels alone")."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < d
@@ -44,15 +48,22 @@ def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, o_ptr,
         o = tl.load(o_ptr + row * stride_o + offs, mask=m, other=0.0).to(tl.float32)
         g = tl.load(gate_ptr + offs, mask=m, other=0.0).to(tl.float32)
         x = (x.to(tl.float32) + g * o).to(dt)
+    if ADD:
+        a = tl.load(add_ptr + (row // rows_per_add) * stride_add + offs, mask=m, other=0.0)
+        x = (a.to(tl.float32) + x.to(tl.float32)).to(dt)
+    if RESIDUAL or ADD:
         tl.store(hout_ptr + row * stride_hout + offs, x, mask=m)
     mean = tl.sum(x.to(tl.float32), 0) / d
     xc = tl.where(m, x.to(tl.float32) - mean, 0.0)
     rstd = tl.math.rsqrt(tl.sum(xc * xc, 0) / d + eps)
-    xn = ((x.to(tl.float32) - mean) * rstd).to(dt).to(tl.float32)
     sc = tl.load(scale_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    one_plus = (1.0 + sc).to(dt).to(tl.float32)
     sh = tl.load(shift_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    xm = tl.where(m, ((xn * one_plus).to(dt).to(tl.float32) + sh).to(dt), 0.0)
+    if AFFINE:
+        xm = tl.where(m, ((x.to(tl.float32) - mean) * rstd * sc + sh).to(dt), 0.0)
+    else:
+        xn = ((x.to(tl.float32) - mean) * rstd).to(dt).to(tl.float32)
+        one_plus = (1.0 + sc).to(dt).to(tl.float32)
+        xm = tl.where(m, ((xn * one_plus).to(dt).to(tl.float32) + sh).to(dt), 0.0)
     s = tl.maximum(tl.max(tl.abs(xm.to(tl.float32)), 0), AMAX_FLOOR) / FP8_MAX
     tl.store(s_ptr + row, s)
     r = tl.math.div_rn(1.0, s)
@@ -187,3 +198,41 @@ def concat_quant_kernel(a_ptr, am_ptr, y_ptr, ym_ptr, q_ptr, s_ptr, A, F, PA, PY
                  other=0.0)
     x = tl.where(in_a, xa.to(tl.float32), xy.to(tl.float32))
     tl.store(q_ptr + row * stride_q + offs, to_e4m3(x, s, r), mask=offs < A + F)
+
+
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # GELU's tanh form: sqrt(2 / pi)
+GELU_KAPPA = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _gelu_dt(x_ptr, offs, m, dt):
+    """GELU (tanh form) in fp32, rounded to dt: 0.5 x (1 + tanh(u)) written as the equal
+    x / (1 + exp(-2 u)), which needs no tanh and keeps its accuracy near u = 0 and for
+    large |u| (where torch's kernel and this one both reach x or 0)."""
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    inner = SQRT_2_OVER_PI * (x + GELU_KAPPA * (x * x * x))
+    return (x / (1.0 + tl.exp(-2.0 * inner))).to(dt)
+
+
+@triton.jit
+def gelu_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, HI: tl.constexpr,
+                      LO: tl.constexpr):
+    """One token's row gelu(x) in one pass, held in registers in the compute dtype (the
+    FFN's hidden row, 8,960 wide at livetalk-1.3b: 8,192 + 1,024 lanes), its per-token scale
+    and e4m3 codes: x read once, the GELU never stored."""
+    row = tl.program_id(0)
+    dt = x_ptr.dtype.element_ty
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    oh = tl.arange(0, HI)
+    y_hi = _gelu_dt(x_row, oh, oh < K, dt)
+    amax = tl.max(tl.abs(y_hi.to(tl.float32)), 0)
+    if LO > 0:
+        ol = HI + tl.arange(0, LO)
+        y_lo = _gelu_dt(x_row, ol, ol < K, dt)
+        amax = tl.maximum(amax, tl.max(tl.abs(y_lo.to(tl.float32)), 0))
+    s = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
+    tl.store(s_ptr + row, s)
+    r = tl.math.div_rn(1.0, s)
+    _quant_store(q_row + oh, y_hi, s, r, oh < K)
+    if LO > 0:
+        _quant_store(q_row + ol, y_lo, s, r, ol < K)

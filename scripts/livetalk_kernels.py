@@ -1,0 +1,108 @@
+"""LiveTalk-1.3B's kernels alone on the GPU at its steady-chunk shapes: the FP8 attention's
+tiles over the sink and window as the cache lays them out (12 heads, 3,072 queries, 15,360
+keys, values stored [head_dim, slots]), and each fused epilogue against the unfused ops it
+replaces (the gated residual + the cross-attention's layer norm + quantize, the gated
+residual + audio + AdaLN + quantize, GELU + quantize, the q RMS norm). Each time is the
+median microseconds per call of a CUDA graph of many calls over distinct buffers.
+
+    python scripts/livetalk_kernels.py --out docs/results/livetalk/kernels_livetalk-1.3b_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from charengine import fp8
+from charengine.config import preset
+from charengine.engine_format import this_machine
+from charengine.ops import gated_residual, gelu_tanh, modulate, rms_norm_width
+from charengine.plugins import act_quant, rms_norm
+from charengine.plugins.attention import AttentionTiles
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import bench_attention, graph_time_us  # noqa: E402
+
+# tiles tried beyond bench_kernels.py's list: 128-query tiles suit 3,072 queries per head
+EXTRA_TILES = tuple(AttentionTiles(bm, bn, w, st, True, True, True)
+                    for bm, bn, w, st in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+                                          (128, 128, 8, 4), (128, 256, 8, 2), (64, 64, 4, 4),
+                                          (64, 128, 4, 5), (64, 256, 4, 2), (128, 64, 8, 4)))
+BUFFERS = 4  # distinct inputs per graph, so that repeated calls do not all hit L2
+
+
+def bench_epilogues(spec, calls: int, reps: int, dev) -> dict:
+    T, d, f, eps = spec.chunk_tokens, spec.dim, spec.ffn_dim, spec.norm_eps
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rows(n, width, spread=3.0):
+        return [(torch.randn(n, width, device=dev, generator=g) * spread).to(torch.bfloat16)
+                for _ in range(BUFFERS)]
+
+    def vec(around=0.0):
+        return (torch.randn(d, device=dev, generator=g) * 0.3 + around).to(torch.bfloat16)
+
+    h, o, hid = rows(T, d), rows(T, d), rows(T, f)
+    add = rows(spec.chunk_frames, d, 1.0)
+    gate, shift, scale, w, b = vec(), vec(), vec(), vec(1.0), vec()
+    pairs = {
+        "residual_layer_norm_quant": (
+            lambda i: fp8.quantize_rows(F.layer_norm(gated_residual(h[i % 4], gate, o[i % 4]),
+                                                     (d,), w, b, eps)),
+            lambda i: act_quant.triton_residual_layer_norm_quant(h[i % 4], o[i % 4], gate, w, b,
+                                                                 eps)),
+        "residual_add_norm_modulate_quant": (
+            lambda i: act_quant.triton_norm_modulate_quant(
+                add[i % 4].repeat_interleave(spec.frame_tokens, dim=0)
+                + gated_residual(h[i % 4], gate, o[i % 4]), shift, scale, eps),
+            lambda i: act_quant.triton_residual_add_norm_modulate_quant(
+                h[i % 4], o[i % 4], gate, add[i % 4], shift, scale, eps)),
+        "gelu_quant": (lambda i: act_quant.triton_act_quant(gelu_tanh(hid[i % 4])),
+                       lambda i: act_quant.triton_gelu_quant(hid[i % 4])),
+        "rms_norm_width": (lambda i: rms_norm_width(h[i % 4], w, eps),
+                           lambda i: rms_norm.triton_rms_norm_width(h[i % 4], w, eps)),
+        "norm_modulate_quant": (lambda i: fp8.quantize_rows(modulate(h[i % 4], shift, scale, eps)),
+                                lambda i: act_quant.triton_norm_modulate_quant(h[i % 4], shift,
+                                                                               scale, eps)),
+    }
+    out = {}
+    for name, (unfused, fused) in pairs.items():
+        a, bb = graph_time_us(unfused, calls, reps), graph_time_us(fused, calls, reps)
+        out[name] = {"unfused_us": a, "fused_us": bb, "saved_us": a - bb}
+        print(f"{name:34s} unfused {a:8.1f} us  fused {bb:8.1f} us", flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="livetalk-1.3b")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    spec = preset(args.preset).model
+    dev = torch.device("cuda")
+    S = spec.cache_frames * spec.frame_tokens
+    attn = bench_attention(spec.n_heads, spec.chunk_tokens, S, spec.head_dim, args.calls,
+                           args.reps, dev, EXTRA_TILES)
+    for k, v in sorted(attn.items(), key=lambda kv: kv[1].get("us", 1e30)):
+        print(f"{k:48s} " + (f"{v['us']:9.1f} us {v['tflops']:7.1f} TFLOP/s" if "us" in v
+                             else v["error"][:80]), flush=True)
+    result = {"preset": args.preset, "machine": this_machine(), "date": time.strftime("%Y-%m-%d"),
+              "attention_shape": {"heads": spec.n_heads, "queries": spec.chunk_tokens,
+                                  "keys": S, "head_dim": spec.head_dim},
+              "attention": attn, "epilogues": bench_epilogues(spec, args.calls, args.reps, dev)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

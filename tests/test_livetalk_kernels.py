@@ -1,0 +1,100 @@
+"""LiveTalk's fused epilogue kernels against their references on the GPU, at the released
+model's shapes (3,072 tokens, width 1,536, FFN 8,960) and small odd ones: the gated residual
+inside the cross-attention's layer norm and inside the next block's AdaLN (with a frame's
+audio row), GELU with its quantization, and the q RMS norm across heads. Outputs are
+poisoned first. (Triton's CPU interpreter rounds e4m3 and bf16 unlike the hardware, so these
+run only on a GPU.)"""
+
+import pytest
+import torch
+
+from charengine import fp8
+from charengine.plugins import act_quant, rms_norm
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+def rows(g, T, d, spread=4.0):
+    return (torch.randn(T, d, device=DEV, generator=g) * spread + 1).to(torch.bfloat16)
+
+
+def vec(g, d, around=0.0):
+    return (torch.randn(d, device=DEV, generator=g) * 0.3 + around).to(torch.bfloat16)
+
+
+def assert_quantized_rows_close(ref, out):
+    """Scales within one bf16 unit of the row's amax; each value within one e4m3 rounding
+    of the reference's plus the bf16 units that moved; nine in ten codes equal."""
+    (rq, rs), (tq, ts) = ref, out
+    assert ((ts - rs).abs() <= rs * 2.0 ** -7).all()
+    r, t = fp8.dequantize(rq, rs), fp8.dequantize(tq, ts)
+    assert ((t - r).abs() <= r.abs() * 2.0 ** -3 + rs * 448 * 2.0 ** -7).all()
+    assert (tq.view(torch.uint8) == rq.view(torch.uint8)).float().mean() > 0.9
+
+
+def assert_new_h_close(ref, out):
+    """The stored residual stream within one bf16 rounding of the reference's."""
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2.0 ** -8).all()
+    assert (out == ref).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("T,d", [(3072, 1536), (31, 100)])
+def test_residual_layer_norm_quant_matches_reference(T, d):
+    g = torch.Generator(device=DEV).manual_seed(T + d)
+    h, o = rows(g, T, d), rows(g, T, d)
+    gate, weight, bias = vec(g, d), vec(g, d, 1.0), vec(g, d)
+    rq, rs, rh = act_quant.residual_layer_norm_reference(h, o, gate, weight, bias, 1e-6)
+    h_before = h.clone()
+    tq, ts, th = act_quant.triton_residual_layer_norm_quant(h, o, gate, weight, bias, 1e-6)
+    assert torch.equal(h, h_before)
+    assert_new_h_close(rh, th)
+    assert_quantized_rows_close((rq, rs), (tq, ts))
+
+
+@pytest.mark.parametrize("T,F,d", [(3072, 3, 1536), (30, 3, 100)])
+def test_residual_add_norm_modulate_quant_matches_reference(T, F, d):
+    g = torch.Generator(device=DEV).manual_seed(T + F + d)
+    h, o, add = rows(g, T, d), rows(g, T, d), rows(g, F, d, 1.0)
+    gate, shift, scale = vec(g, d), vec(g, d), vec(g, d)
+    rq, rs, rh = act_quant.residual_add_norm_modulate_reference(h, o, gate, add, shift, scale,
+                                                                1e-6)
+    tq, ts, th = act_quant.triton_residual_add_norm_modulate_quant(h, o, gate, add, shift,
+                                                                   scale, 1e-6)
+    assert_new_h_close(rh, th)
+    assert_quantized_rows_close((rq, rs), (tq, ts))
+
+
+def test_residual_add_refuses_rows_that_do_not_divide():
+    h = torch.zeros(10, 64, device=DEV, dtype=torch.bfloat16)
+    v = torch.zeros(64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="do not divide"):
+        act_quant.triton_residual_add_norm_modulate_quant(h, h, v, h[:3], v, v, 1e-6)
+
+
+@pytest.mark.parametrize("T,K", [(3072, 8960), (19, 200), (5, 64)])
+def test_gelu_quant_matches_reference(T, K):
+    g = torch.Generator(device=DEV).manual_seed(K)
+    x = rows(g, T, K, 3.0)
+    x[0, :7] = torch.tensor([-30.0, -8.0, -1e-3, 0.0, 1e-3, 8.0, 30.0])  # tails and zero
+    ref = act_quant.gelu_quant_reference(x)
+    assert_quantized_rows_close(ref, act_quant.triton_gelu_quant(x))
+    op = torch.ops.charengine.gelu_quant.default(x)  # the registered op runs the kernel
+    assert_quantized_rows_close(ref, op)
+
+
+@pytest.mark.parametrize("T,d", [(3072, 1536), (17, 100)])
+def test_rms_norm_width_matches_reference(T, d):
+    g = torch.Generator(device=DEV).manual_seed(d)
+    x, w = rows(g, T, d), vec(g, d, 1.0)
+    ref = rms_norm.reference(x, w, 1e-6)
+    out = rms_norm.triton_rms_norm_width(x, w, 1e-6)
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2.0 ** -7).all()
+    assert (out == ref).float().mean() > 0.99
