@@ -34,6 +34,7 @@ EXTRA_TILES = tuple(AttentionTiles(bm, bn, w, st, True, True, True)
                     for bm, bn, w, st in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
                                           (128, 128, 8, 4), (128, 256, 8, 2), (64, 64, 4, 4),
                                           (64, 128, 4, 5), (64, 256, 4, 2), (128, 64, 8, 4)))
+GELU_WARPS = (4, 8, 32)  # beside the kernel's default (16)
 BUFFERS = 4  # distinct inputs per graph, so that repeated calls do not all hit L2
 
 
@@ -76,6 +77,10 @@ def bench_epilogues(spec, calls: int, reps: int, dev) -> dict:
         a, bb = graph_time_us(unfused, calls, reps), graph_time_us(fused, calls, reps)
         out[name] = {"unfused_us": a, "fused_us": bb, "saved_us": a - bb}
         print(f"{name:34s} unfused {a:8.1f} us  fused {bb:8.1f} us", flush=True)
+    for warps in GELU_WARPS:  # the GELU kernel's row over other warp counts
+        us = graph_time_us(lambda i: act_quant.triton_gelu_quant(hid[i % 4], warps), calls, reps)
+        out["gelu_quant"][f"fused_us_w{warps}"] = us
+        print(f"gelu_quant at {warps:2d} warps             {us:8.1f} us", flush=True)
     return out
 
 

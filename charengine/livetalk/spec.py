@@ -287,3 +287,35 @@ def arm_config(cfg, arm: str):
     return cfg.replace(switches=LiveTalkSwitches.baseline() if arm == "plain" else
                        dataclasses.replace(LiveTalkSwitches(), fp8_kv=False),
                        numerics=Numerics(dtype="bfloat16", fp8_gemm=False, fp8_attention=False))
+
+
+# the waterfall's arms (scripts/livetalk_waterfall.py): the plain path in bf16 without FP8,
+# then each switch of LiveTalkSwitches.ORDER on in turn, FP8 GEMMs (promoted sums) turned on
+# right before the FP8 cache (which turns FP8 attention on with it: the cache needs it), and
+# last the preset as it is (fast accumulation with it)
+WATERFALL_PLAIN, WATERFALL_FP8_GEMM, WATERFALL_PRODUCTION = "plain", "fp8_gemm", "production"
+FP8_CACHE = "fp8_kv"  # the switch that FP8 attention comes on with
+
+
+def waterfall_arms() -> tuple[str, ...]:
+    """The waterfall's arms in order, from the switches' ORDER as it is now."""
+    order = LiveTalkSwitches.ORDER
+    at = order.index(FP8_CACHE) if FP8_CACHE in order else len(order)
+    return (WATERFALL_PLAIN, *order[:at], WATERFALL_FP8_GEMM, *order[at:], WATERFALL_PRODUCTION)
+
+
+def waterfall_config(cfg, arm: str):
+    """cfg (an EngineConfig of this family) as waterfall arm `arm` runs it: every switch up
+    to `arm` on, FP8 GEMMs from WATERFALL_FP8_GEMM on, FP8 attention with FP8_CACHE, sums
+    promoted; the production arm is cfg itself."""
+    arms = waterfall_arms()
+    if arm not in arms:
+        raise ValueError(f"unknown waterfall arm {arm!r}; known: {', '.join(arms)}")
+    if arm == WATERFALL_PRODUCTION:
+        return cfg
+    on = set(arms[1: arms.index(arm) + 1])
+    switches = dataclasses.replace(LiveTalkSwitches.baseline(),
+                                   **{n: n in on for n in LiveTalkSwitches.ORDER})
+    numerics = dataclasses.replace(cfg.numerics, fp8_gemm=WATERFALL_FP8_GEMM in on,
+                                   fp8_attention=FP8_CACHE in on, fast_accum=False)
+    return cfg.replace(switches=switches, numerics=numerics)

@@ -1,0 +1,103 @@
+"""The LiveTalk numerics comparison and waterfall scripts on tiny-livetalk (CPU): the JSON they
+write, and the waterfall's arms as spec.waterfall_config makes them."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from charengine.config import preset
+from charengine.livetalk.spec import (FP8_CACHE, LiveTalkSwitches, WATERFALL_FP8_GEMM,
+                                      WATERFALL_PLAIN, WATERFALL_PRODUCTION, waterfall_arms,
+                                      waterfall_config)
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+PRESET = "tiny-livetalk"
+
+
+def script(name: str, *args) -> str:
+    r = subprocess.run([sys.executable, str(SCRIPTS / name), *map(str, args)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def on(cfg) -> set[str]:
+    return {n for n in LiveTalkSwitches.ORDER if getattr(cfg.switches, n)}
+
+
+def test_waterfall_arms_are_cumulative_and_end_at_the_preset():
+    base = preset(PRESET)
+    arms = waterfall_arms()
+    # every switch of ORDER is an arm, in its order, with the FP8 GEMMs right before the cache
+    assert [a for a in arms if a in LiveTalkSwitches.ORDER] == list(LiveTalkSwitches.ORDER)
+    assert arms[0] == WATERFALL_PLAIN and arms[-1] == WATERFALL_PRODUCTION
+    assert arms.index(WATERFALL_FP8_GEMM) + 1 == arms.index(FP8_CACHE)
+    plain = waterfall_config(base, WATERFALL_PLAIN)
+    assert not on(plain) and not plain.numerics.fp8_gemm and not plain.numerics.fp8_attention
+    assert waterfall_config(base, WATERFALL_PRODUCTION) == base
+    prev = plain
+    for arm in arms[1:-1]:
+        cfg = waterfall_config(base, arm)
+        assert on(cfg) >= on(prev) and len(on(cfg)) - len(on(prev)) == (arm != WATERFALL_FP8_GEMM)
+        assert cfg.numerics.fp8_gemm == (arms.index(arm) >= arms.index(WATERFALL_FP8_GEMM))
+        assert cfg.numerics.fp8_attention == cfg.switches.fp8_kv  # the FP8 cache needs it
+        assert not cfg.numerics.fast_accum
+        prev = cfg
+    assert on(prev) == on(base) and dataclasses.replace(prev.numerics, fast_accum=True) == \
+        base.numerics
+    with pytest.raises(ValueError, match="unknown waterfall arm"):
+        waterfall_config(base, "no_such_arm")
+
+
+def test_numerics_compare_against_fp32(tmp_path):
+    chunks, exclude = 8, 2  # the first position reset is chunk 7
+    out = script("livetalk_numerics.py", "--preset", PRESET, "--device", "cpu", "--gpu-tag",
+                 "cpu", "--chunks", chunks, "--exclude", exclude, "--out", tmp_path)
+    d = json.loads((tmp_path / f"numerics_{PRESET}_cpu_vs-fp32.json").read_text())
+    assert "beside the bf16 plain path's" in out
+    assert d["order"] == ["fp32_plain", "bf16_plain", "bf16", "fp8_gemm", "fp8_kv", "fused",
+                          "production", "production_again"]
+    assert list(d["arms"]) == d["order"]
+    assert d["reset_chunks"] and all(exclude <= c < chunks for c in d["reset_chunks"])
+    for name, arm in d["arms"].items():
+        err = arm["rel_l2_per_chunk"]
+        assert len(err) == chunks and all(math.isfinite(e) for e in err), name
+        assert arm["rel_l2_median"] <= arm["rel_l2_max"] == max(err[exclude:])
+        if name == "fp32_plain":
+            assert max(err) == 0.0
+        else:  # rounded differently, yet close
+            assert 0.0 < arm["rel_l2_median"] < 0.1, name
+    a = d["arms"]
+    # the emulated FP8 on the CPU runs the same every time; FP8 moves more than bf16 alone
+    assert a["production_again"]["rel_l2_per_chunk"] == a["production"]["rel_l2_per_chunk"]
+    assert a["production"]["rel_l2_median"] > a["bf16_plain"]["rel_l2_median"]
+    assert a["production"]["numerics"]["fast_accum"] and not a["fused"]["numerics"]["fast_accum"]
+
+
+def test_waterfall_runs_and_summarizes(tmp_path):
+    arms = [WATERFALL_PRODUCTION, WATERFALL_PLAIN]  # given out of order
+    out = script("livetalk_waterfall.py", "--preset", PRESET, "--device", "cpu", "--gpu-tag",
+                 "cpu", "--runs", 1, "--chunks", 2, "--arms", ",".join(arms), "--out", tmp_path)
+    assert out.count("diffusion p50") == 2 * len(arms)  # a line per run, one per arm
+    key = f"{PRESET}_tp1_cpu"
+    for arm in arms:
+        run = json.loads((tmp_path / f"bench_{PRESET}_tp1_cpu_{arm}_1.json").read_text())
+        assert run["arm"] == arm and run["steady_chunks"] == 2 and run["date"]
+        assert 0 < run["diffusion_p50_ms"] <= run["diffusion_p90_ms"] < math.inf
+        assert run["memory_peak_mb"] > 0
+    summary_path = tmp_path / f"summary_{key}.json"
+    summary = json.loads(summary_path.read_text())
+    assert summary["order"] == list(summary["arms"]) == [WATERFALL_PLAIN, WATERFALL_PRODUCTION]
+    assert summary["chunk_budget_ms"] == 750.0  # 12 frames at 16 fps
+    assert all(s["runs"] == 1 for s in summary["arms"].values())
+    assert not summary["arms"][WATERFALL_PLAIN]["switches_on"]
+    assert summary["arms"][WATERFALL_PRODUCTION]["switches_on"] == list(LiveTalkSwitches.ORDER)
+    summary_path.unlink()
+    script("livetalk_waterfall.py", "--preset", PRESET, "--gpu-tag", "cpu", "--summarize-only",
+           "--out", tmp_path)
+    assert json.loads(summary_path.read_text())["arms"] == summary["arms"]
