@@ -36,7 +36,8 @@ def gemm_plan(cfg, state: dict, mapping) -> tuple[dict, dict]:
     plan, times = {}, {}
     for kind, prob in family_of(cfg).gemm_problems(cfg, state, mapping).items():
         times[kind] = gemm.time_choices(prob.weights, prob.m, dtype,
-                                        cfg.numerics.fast_accum_for(kind),
+                                        cfg.numerics.fast_accum_for(kind)
+                                        if prob.fast_accum is None else prob.fast_accum,
                                         gemm.candidates(prob.epilogue), prob.epilogue,
                                         prob.residual, prob.split)
         plan[kind] = gemm.choose(times[kind])

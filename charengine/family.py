@@ -44,13 +44,15 @@ class StepShapes:
 class GemmProblem:
     """What charbuild times for one kind of block linear (a family's `gemm_problems`): its
     epilogue, every block's weights, the steady M, and the epilogue's extra input (the
-    SwiGLU split, the residual)."""
+    SwiGLU split, the residual); `fast_accum`, whether the model runs the kind without
+    promoted sums (None: the numerics' `fast_accum_for(kind)`, the characters family's)."""
 
     epilogue: str
     weights: list
     m: int
     split: int = 0
     residual: torch.Tensor | None = None
+    fast_accum: bool | None = None
 
 
 # Name prefixes of a causal cache's tensors in an exported graph: a conv's past input frames

@@ -227,3 +227,15 @@ def test_the_fused_residual_moves_only_roundings():
         moved, err = float((a - b).norm() / r.norm()), float((b - r).norm() / r.norm())
         assert 0 < moved < err
         assert float((a - r).norm() / r.norm()) < 1.5 * err
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_gemm_problems_are_timed_as_the_model_accumulates(fast):
+    """charbuild times each FP8 linear kind with the accumulation the model runs it with
+    (every LiveTalk linear follows numerics.fast_accum), so its choice is for that GEMM."""
+    cfg = EngineConfig(model=TINY, switches=LiveTalkSwitches(),
+                       numerics=Numerics(dtype="bfloat16", fast_accum=fast))
+    state = FAM.rank_state(cfg, FAM.random_weights(TINY, 0))
+    probs = FAM.gemm_problems(cfg, state, Mapping.single("cpu"))
+    assert set(probs) == {"qkv", "attn", "ffn_up", "ffn_down"}
+    assert all(p.fast_accum is fast for p in probs.values())

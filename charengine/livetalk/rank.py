@@ -69,7 +69,7 @@ def gemm_problems(cfg, state, mapping) -> dict:
     return {kind: GemmProblem("plain", [(state[f"blocks.{i}.{n}.weight"],
                                          state[f"blocks.{i}.{n}.weight_scale"])
                                         for i in range(spec.n_blocks) for n in names],
-                              spec.chunk_tokens)
+                              spec.chunk_tokens, fast_accum=cfg.numerics.fast_accum)
             for kind, names in kinds(cfg).items()}
 
 
