@@ -152,7 +152,8 @@ class Engine:
             target = Target.from_dict(manifest["target"])
             config = config_from_dict(manifest["config"])
         except (KeyError, TypeError, ValueError) as e:
-            raise EngineError(f"{mpath}: invalid target or config ({e}); rebuild the engine") from None
+            raise EngineError(f"{mpath}: invalid target or config ({e}); rebuild the "
+                              "engine") from None
         built = manifest["ranks"]
         kernels = manifest["kernels"]
         want = list(range(config.tp)) if ranks is None else sorted(set(ranks))
@@ -222,5 +223,6 @@ class Engine:
         """The tables the family baked for the fixed schedule (the AdaLN modulations)."""
         return load_file(str(self.path / ADALN), device=str(device))
 
-    def side_state(self) -> dict[str, torch.Tensor]:
-        return load_file(str(self.path / SIDE))
+    def side_state(self, device="cpu") -> dict[str, torch.Tensor]:
+        """The side networks' tensors, read straight onto `device`."""
+        return load_file(str(self.path / SIDE), device=str(device))

@@ -3,8 +3,19 @@ listens (silent audio); a barge-in drops the turn's queued speech, the steps not
 and the frames not yet played, and returns it to listening.
 
 Speech is 16 kHz mono. Step i takes the next step's worth of samples from the speech buffer
-(silence when it is empty) when rank 0 encodes its audio; the pacer's backpressure keeps the
-generator at most a few steps ahead of playback.
+(its frames' speech, and for step 0 also the lookahead its audio window reaches past them),
+padded with silence for what has not arrived. Just in time (the default), the take waits
+until that speech has arrived (or the turn ended), or until its deadline, whichever comes
+first: the step's play slot (when the frames queued and in flight before it will have
+played) less the session's processing time (take to first frames at the pacer, the most of
+the last `PROCESSING_WINDOW` steps after the first) and a margin. So a silent or stalled
+microphone never starves playback, and speech waits in no queue: from a step's last speech
+to its first frame is the processing time and the margin. The first step is taken at once
+(the character shows as soon as it can), the second once the first step's processing time
+is known. The decoder hands on each latent's frames as they are decoded (where the family's
+decoder streams latent by latent) and the pacer plays them as they come. Without
+`just_in_time` a step takes its speech when the pipeline asks for it, and the pacer's
+backpressure keeps the generator at most a few steps ahead of playback.
 
 The session reports to its Metrics what the page and /metrics show: each step's diffusion
 time, each frame against its slot, stalls (a step at least a frame late; a barge-in's gap
@@ -16,7 +27,9 @@ to `on_state`.
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,7 +39,7 @@ import torch
 
 from .metrics import Metrics
 from .pacer import Pacer, Step
-from .pipeline import Pipeline
+from .pipeline import Pipeline, Stopped
 from .worker import Worker
 
 log = logging.getLogger("charengine.live")
@@ -36,6 +49,16 @@ log = logging.getLogger("charengine.live")
 # no speech has played since; ended: the session stopped
 STATES = ("starting", "speaking", "listening", "interrupted", "ended")
 MIN_STALL_FRAMES = 1.0  # a step this many frame times late holds a frame visibly: a stall
+# steps whose processing times (take to first frames) the deadline covers: more than the
+# characters family's position-reset period (42 steps), so a reset step's extra time stays in
+PROCESSING_WINDOW = 64
+DEADLINE_MARGIN_FRAMES = 0.5  # frame times between a step's first frames and its slot
+WAIT_POLL_S = 0.05  # a take waiting for its speech looks at its deadline at least this often
+# speech complete this many frame times before its deadline plays that much later than it
+# could: leading silence is dropped from the buffer until it is RESYNC_KEEP_FRAMES early
+RESYNC_LEAD_FRAMES = 2.0
+RESYNC_KEEP_FRAMES = 1.0
+SILENCE_LEVEL = 1e-3  # samples at most this loud (about -60 dBFS) are silence that may be dropped
 
 
 class SpeechBuffer:
@@ -44,10 +67,12 @@ class SpeechBuffer:
 
     def __init__(self, clock=time.monotonic):
         self.lock = threading.Lock()
+        self.arrived = threading.Condition(self.lock)  # notified on every push, end and clear
         self.clock = clock
         self.chunks: list[torch.Tensor | None] = []
         self.pushed = 0  # samples pushed so far
-        self.taken = 0  # samples taken (or cleared) so far
+        self.taken = 0  # samples taken (or cleared, or dropped) so far
+        self.dropped = 0  # leading silence dropped so far (drop_silence)
         self.marks: list[tuple[int, float]] = []  # (sample index, arrival time)
 
     def push(self, samples: torch.Tensor) -> None:
@@ -57,16 +82,73 @@ class SpeechBuffer:
                 self.marks.append((self.pushed, self.clock()))
             self.chunks.append(samples)
             self.pushed += samples.numel()
+            self.arrived.notify_all()
 
     def end_segment(self) -> None:
         with self.lock:
             self.chunks.append(None)
+            self.arrived.notify_all()
 
     def clear(self) -> None:
         with self.lock:
             self.chunks.clear()
             self.marks.clear()
             self.taken = self.pushed
+            self.arrived.notify_all()
+
+    def wake(self) -> None:
+        """Wake a wait_for (its deadline may have moved)."""
+        with self.lock:
+            self.arrived.notify_all()
+
+    def drop_silence(self, most: int, level: float = SILENCE_LEVEL) -> int:
+        """Drop up to `most` samples of silence (none louder than `level`) from the front,
+        up to the first louder sample or a turn's end; returns how many."""
+        with self.lock:
+            dropped = 0
+            while self.chunks and self.chunks[0] is not None and dropped < most:
+                c = self.chunks[0][: most - dropped]
+                loud = (c.abs() > level).nonzero()
+                k = int(loud[0]) if loud.numel() else c.numel()
+                dropped += k
+                if k < self.chunks[0].numel():
+                    self.chunks[0] = self.chunks[0][k:]
+                    if loud.numel():
+                        break
+                else:
+                    self.chunks.pop(0)
+            self.taken += dropped
+            self.dropped += dropped
+            self.marks = [(i, t) for i, t in self.marks if i >= self.taken]
+            return dropped
+
+    def queued(self) -> int:
+        """Samples waiting, up to a turn's end."""
+        with self.lock:
+            have = 0
+            for c in self.chunks:
+                if c is None:
+                    break
+                have += c.numel()
+            return have
+
+    def _has(self, n: int) -> bool:
+        have = 0
+        for c in self.chunks:
+            if c is None:
+                return True  # the turn ended: nothing more comes for this take
+            have += c.numel()
+            if have >= n:
+                return True
+        return False
+
+    def wait_for(self, n: int, timeout: float) -> bool:
+        """Whether a take of n samples would find them all (or a turn's end) within
+        `timeout` seconds; returns at once when it would."""
+        with self.lock:
+            if not self._has(n):
+                self.arrived.wait(timeout)
+            return self._has(n)
 
     def take(self, n: int) -> tuple[torch.Tensor, bool, bool, list[tuple[int, float]]]:
         """n samples of speech, padded with silence; voiced if any speech was in them; ended
@@ -106,16 +188,34 @@ class LiveStep(Step):
     arrivals: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass
+class TakenSpeech:
+    """What a step took from the speech buffer, riding with it to the sink: the speech its
+    frames play, whether any was speech, whether a turn ended in it, the barge-in epoch it was
+    taken in, the arrivals it plays (sample offset, arrival time), and when it was taken."""
+    chunk: torch.Tensor
+    voiced: bool
+    ended: bool
+    epoch: int
+    arrivals: list[tuple[int, float]]
+    taken_t: float
+
+
 class LiveSession:
     def __init__(self, worker: Worker, publish, slack: int = 2, metrics: Metrics | None = None,
                  seed: int = 0, session_id: str = "", on_step_done=None, on_error=None,
-                 on_state=None):
+                 on_state=None, just_in_time: bool = True, stream_decode: bool = True):
         """publish(frame [3, H, W], audio [samples at 16 kHz], t, voiced) runs on the pacer's
         thread at each frame's time; on_error(message) runs on the session's thread when the
         session fails (a rank died, the decoder failed), once, after it has stopped;
         on_state(state) (one of STATES) runs on the thread that changed it (the pacer's, or
-        the caller of interrupt() and stop())."""
+        the caller of interrupt() and stop()); on_step_done(step) after each step's last
+        frame. `just_in_time`: each step takes its speech once it has arrived or at its
+        deadline (the module's doc), on a thread of its own; `stream_decode`: each latent's
+        frames go to the pacer as they are decoded. Both off: the plain pipeline of a
+        render, each step's speech taken when the pipeline asks for it."""
         self.worker, self.spec = worker, worker.spec
+        self.just_in_time, self.stream_decode = just_in_time, stream_decode
         self.metrics, self.seed, self.session_id = metrics, seed, session_id
         self.speech = SpeechBuffer()
         self.family = worker.family
@@ -140,6 +240,12 @@ class LiveSession:
         self.count_lock = threading.Lock()
         self.frames_pushed = self.frames_played = 0
         self.last_frame_t = 0.0
+        # just in time: frames of the steps taken (this epoch's, plus what the pacer had
+        # started at the last barge-in), each step's processing time, the piece being sunk
+        self.frames_committed = 0
+        self.processing: collections.deque[float] = collections.deque(maxlen=PROCESSING_WINDOW)
+        self.first_processing: float | None = None  # step 0's (its decode is unlike others')
+        self.sinking = (-1, 0)  # (step, its frames sunk so far)
         self.stalls_seen = 0
         self.flush_slots: set[float] = set()  # barge-in restarts: the gap after one is no stall
         self.pacer = Pacer(self._publish, self.spec.fps, self.spec.frames_per_latent, slack,
@@ -151,6 +257,9 @@ class LiveSession:
         if self.metrics:
             self.metrics.session_started()
         self.pipeline = self.worker.pipeline(self._encode_audio, seed=self.seed)
+        if self.just_in_time or self.stream_decode:
+            self.pipeline.live(self._await_speech if self.just_in_time else None,
+                               pieces=self.stream_decode)
         self.thread = threading.Thread(target=self._run, name="live-session", daemon=True)
         self.thread.start()
 
@@ -163,16 +272,18 @@ class LiveSession:
 
     def interrupt(self) -> float:
         """Barge-in; returns its time on the pacer's clock."""
-        with self.epoch_lock:
+        with self.epoch_lock:  # no step is taken until the frames in flight are given back
             self.epoch += 1
             self.speech.clear()
             self.arrivals.clear()
-        if self.pipeline is not None:
-            self.pipeline.flush_audio()
-        t = self.pacer.flush()
-        with self.count_lock:
-            self.flush_slots.add(t)
-            self.frames_pushed = self.frames_played
+            if self.pipeline is not None:
+                self.pipeline.flush_audio()
+            t = self.pacer.flush()
+            _, started = self.pacer.schedule()
+            with self.count_lock:
+                self.flush_slots.add(t)
+                self.frames_pushed = self.frames_played
+                self.frames_committed = started
         self._queued()
         self._set_state("interrupted")
         return t
@@ -198,12 +309,57 @@ class LiveSession:
             self.on_state(state)
 
     # ---- pipeline side ----------------------------------------------------------------
+    def take_size(self, i: int) -> int:
+        a, b = self.family.step_bounds(self.spec, i)
+        return b - a + (self.lookahead if i == 0 else 0)
+
+    def deadline(self) -> float:
+        """When the next step must take its speech, on the pacer's clock: its slot (the
+        frames taken before it played from the pacer's next slot on) less the processing
+        time and the margin. -inf for the first step; inf until the first step's processing
+        time is known."""
+        next_slot, started = self.pacer.schedule()
+        with self.count_lock:
+            ahead = max(0, self.frames_committed - started)
+            if not self.processing and self.first_processing is None:
+                return -math.inf if ahead == 0 else math.inf
+            processing = max(self.processing) if self.processing else self.first_processing
+        now = self.pacer.clock()
+        base = now if next_slot is None else max(now, next_slot)
+        return base + (ahead - DEADLINE_MARGIN_FRAMES) / self.spec.fps - processing
+
+    def _await_speech(self, i: int) -> None:
+        """Until step i's speech has arrived or its deadline has come (the audio thread).
+        Live speech (arriving as it is taken: no more than a frame's worth queued past the
+        take) complete well before its deadline plays later than it needs to (the phase a
+        session's start or a slow step left): its leading silence is dropped and the wait
+        goes on, so the latency comes back to the processing time in a pause."""
+        n = self.take_size(i)
+        sample_rate = self.spec.side.sample_rate
+        while not self.pipeline.stop.is_set():
+            left = self.deadline() - self.pacer.clock()
+            if left <= 0:
+                return
+            if self.speech.wait_for(n, min(left, WAIT_POLL_S)):
+                lead = self.deadline() - self.pacer.clock()
+                if not (math.isfinite(lead) and lead > RESYNC_LEAD_FRAMES / self.spec.fps):
+                    return
+                if self.speech.queued() - n > sample_rate / self.spec.fps:
+                    return  # not speech arriving live (an uploaded clip): all of it plays
+                excess = lead - RESYNC_KEEP_FRAMES / self.spec.fps
+                if not self.speech.drop_silence(int(excess * sample_rate)):
+                    return
+        raise Stopped
+
     def _encode_audio(self, i: int):
         a, b = self.family.step_bounds(self.spec, i)
-        take = b - a + (self.lookahead if i == 0 else 0)
+        take = self.take_size(i)
         with self.epoch_lock:
             heard, voiced, ended, marks = self.speech.take(take)
+            taken_t = self.pacer.clock()
             epoch = self.epoch
+            with self.count_lock:
+                self.frames_committed += self.family.step_frames(self.spec, i)
             self.arrivals += [(self.heard + k, t) for k, t in marks]
             self.heard += heard.numel()
             end = self.played + (b - a)
@@ -215,19 +371,37 @@ class LiveSession:
             self.worker.side, self.spec, x.to(self.worker.decoder_device), i), self.history)
         self.unplayed = torch.cat([self.unplayed, heard])
         chunk, self.unplayed = self.unplayed[: b - a], self.unplayed[b - a:]
-        return feats, (chunk, voiced, ended, epoch, arrivals)
+        return feats, TakenSpeech(chunk, voiced, ended, epoch, arrivals, taken_t)
 
-    def _sink(self, i: int, frames: torch.Tensor, meta) -> None:
-        chunk, voiced, ended, epoch, arrivals = meta
-        if self.metrics and len(self.pipeline.times.diffusion) > i:
-            t0, t1 = self.pipeline.times.diffusion[i]
-            self.metrics.step_done(t1 - t0, frames.shape[0])
-        if epoch < self.epoch:
+    def _sink(self, i: int, frames: torch.Tensor, taken: TakenSpeech) -> None:
+        """Step i's frames, whole or the next piece of them (the session's thread)."""
+        total = self.family.step_frames(self.spec, i)
+        step, done = self.sinking
+        f0 = done if step == i else 0
+        f1 = f0 + frames.shape[0]
+        self.sinking = (i, f1)
+        if f0 == 0:
+            with self.count_lock:
+                took = self.pacer.clock() - taken.taken_t
+                if i == 0:
+                    self.first_processing = took
+                else:
+                    self.processing.append(took)
+            self.speech.wake()  # the next take's deadline moved
+            if self.metrics and len(self.pipeline.times.diffusion) > i:
+                t0, t1 = self.pipeline.times.diffusion[i]
+                self.metrics.step_done(t1 - t0, total)
+        if taken.epoch < self.epoch:
             return  # generated for speech a barge-in cancelled
+        n = taken.chunk.numel()
+        s0, s1 = round(f0 * n / total), round(f1 * n / total)
+        arrivals = [(k - s0, t) for k, t in taken.arrivals
+                    if s0 <= k < s1 or (f1 == total and k >= s1)]
         with self.count_lock:
             self.frames_pushed += frames.shape[0]
         self._queued()
-        self.pacer.push(LiveStep(frames, chunk, voiced, ended, arrivals))
+        self.pacer.push(LiveStep(frames, taken.chunk[s0:s1], taken.voiced,
+                                 taken.ended and f1 == total, f1 == total, arrivals))
         self._queued()
 
     def _run(self) -> None:
@@ -266,7 +440,7 @@ class LiveSession:
         if self.metrics is not None:
             with self.count_lock:
                 frames = max(0, self.frames_pushed - self.frames_played)
-            self.metrics.queued(len(self.pacer.queue), frames)
+            self.metrics.queued(self.pacer.queued_steps(), frames)
 
     def _step_done(self, step: Step) -> None:
         if self.metrics is not None and isinstance(step, LiveStep) and step.arrivals:
@@ -276,7 +450,7 @@ class LiveSession:
             for offset, arrived in step.arrivals:
                 played = begin + min(n - 1, int(offset / per_frame)) / self.spec.fps
                 self.metrics.speech_latency(max(0.0, played - arrived))
-        if self.user_step_done is not None:
+        if self.user_step_done is not None and step.last:
             self.user_step_done(step)
 
 

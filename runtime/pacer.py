@@ -3,9 +3,14 @@ its slice of the step's audio. On an underrun it holds the last frame and shifts
 by the delay (runtime/playout.py); it never drops a frame, except on a barge-in, which drops
 every frame not yet played.
 
-Backpressure: push() returns once at most slack - 1 finished steps wait to play, so with
-slack s the generator starts step k only after step k - s has started playing (a step counts
-as started when the pacer takes it, right after the previous step's last frame).
+A step may come in pieces (a live session pushes each latent's frames as they are decoded,
+the last piece marked `last`): each piece takes the next slot of its own, so a step's first
+frames play before its last are decoded.
+
+Backpressure: push() returns once at most slack - 1 steps' worth of frames (slack - 1 times
+frames_per_step) wait to play, so with slack s the generator starts step k only after step
+k - s has started playing (a step counts as started when the pacer takes it, right after the
+previous step's last frame).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Step:
     audio: torch.Tensor  # [samples] for the whole step
     voiced: bool = False
     segment_end: bool = False  # a turn's audio ends within this step
+    last: bool = True  # the step's last piece (a step pushed whole is its own last piece)
 
 
 def split_audio(audio: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -40,13 +46,16 @@ class Pacer:
                  clock: Callable[[], float] = time.monotonic, on_frame=None, on_step_done=None):
         """publish(frame [3, H, W], audio [samples], t, voiced) is called at each frame's time
         t on `clock`. on_frame(t, slot) (optional) sees each frame's time and its slot;
-        on_step_done(step) (optional) runs after a step's last frame (not after a flush)."""
+        on_step_done(step) (optional) runs after the last frame of each step or piece pushed
+        (not after a flush)."""
         if slack < 1:
             raise ValueError("slack must be at least 1")
         self.publish, self.fps, self.slack, self.clock = publish, fps, slack, clock
+        self.frames_per_step = frames_per_step
         self.on_frame, self.on_step_done = on_frame, on_step_done
         self.playout = Playout(fps, frames_per_step)
         self.queue: list[Step] = []
+        self.frames_started = 0  # frames of the steps (and pieces) taken to play so far
         self.cv = threading.Condition()
         self.closed = False
         self.epoch = 0  # bumped by flush(): the playing step stops
@@ -55,15 +64,33 @@ class Pacer:
         self.thread.start()
 
     # ---- producer side ---------------------------------------------------------------
+    def queued_frames(self) -> int:
+        """Frames pushed and not yet taken to play (the caller holds `cv`)."""
+        return sum(s.frames.shape[0] for s in self.queue)
+
+    def queued_steps(self) -> int:
+        """Steps waiting to play, whole or in part."""
+        with self.cv:
+            return sum(s.last for s in self.queue) + (bool(self.queue) and
+                                                      not self.queue[-1].last)
+
+    def schedule(self) -> tuple[float | None, int]:
+        """(the slot of the next frame to be taken to play, None before the first; the frames
+        taken to play so far): a frame pushed f frames after those plays at slot + f / fps,
+        unless playback stalls first."""
+        with self.cv:
+            return self.playout.next_slot, self.frames_started
+
     def push(self, step: Step, timeout: float | None = None) -> bool:
-        """Queue a finished step; wait until at most slack - 1 steps wait to play. False if
-        the pacer closed or the wait timed out."""
+        """Queue a finished step (or piece); wait until at most slack - 1 steps' worth of
+        frames wait to play. False if the pacer closed or the wait timed out."""
+        limit = (self.slack - 1) * self.frames_per_step
         with self.cv:
             if self.closed:
                 return False
             self.queue.append(step)
             self.cv.notify_all()
-            return self.cv.wait_for(lambda: self.closed or len(self.queue) <= self.slack - 1,
+            return self.cv.wait_for(lambda: self.closed or self.queued_frames() <= limit,
                                     timeout) and not self.closed
 
     def flush(self) -> float:
@@ -107,6 +134,7 @@ class Pacer:
                 self.playing = True
                 epoch = self.epoch
                 begin = self.playout.start(self.clock(), step.frames.shape[0])
+                self.frames_started += step.frames.shape[0]
                 self.cv.notify_all()
             audio = split_audio(step.audio, step.frames.shape[0])
             for j in range(step.frames.shape[0]):

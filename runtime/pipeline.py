@@ -7,6 +7,12 @@
 Every queue holds one item, so a slow stage holds the others back (backpressure). Each stage
 records when it starts and ends each step; a failure in any stage stops all of them and is
 raised in the caller's thread.
+
+A live session runs it in live mode (`live()`): the audio has a thread of its own, so a step
+may wait for its speech (`await_audio(i)`, before the take) without holding back the decode
+of the step before it, and the decoder hands each piece of a step's frames (each latent's, from
+`decode_pieces`) to the sink as it is decoded, so a step's first frames play before its last
+are decoded. A render (`run` without `live()`) is the plain pipeline above.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -26,6 +32,8 @@ class StepTimes:
     diffusion: list[tuple[float, float]] = field(default_factory=list)
     decode: list[tuple[float, float]] = field(default_factory=list)
     sink: list[tuple[float, float]] = field(default_factory=list)
+    # the decode's start and the end of its first piece (live mode; a render's is `decode`)
+    first_piece: list[tuple[float, float]] = field(default_factory=list)
 
 
 class Stopped(Exception):
@@ -35,11 +43,18 @@ class Stopped(Exception):
 class Pipeline:
     def __init__(self, encode_audio: Callable[[int], torch.Tensor],
                  diffuse: Callable[[int, torch.Tensor], torch.Tensor],
-                 decode: Callable[[torch.Tensor], torch.Tensor], poll_s: float = 0.05):
+                 decode: Callable[[torch.Tensor], torch.Tensor], poll_s: float = 0.05,
+                 decode_pieces: Callable[[torch.Tensor], Iterator[torch.Tensor]] | None = None):
         """encode_audio(i) returns the step's audio features, or (features, meta): meta
-        rides along with the step to the sink (sink(i, frames, meta) then)."""
+        rides along with the step to the sink (sink(i, frames, meta) then). decode_pieces
+        (optional): the step's frames from its latent in pieces, in order, for live mode
+        (without it live mode hands on each step's frames whole, from `decode`)."""
         self.encode_audio, self.diffuse, self.decode = encode_audio, diffuse, decode
+        self.decode_pieces = decode_pieces
         self.poll_s = poll_s
+        self.is_live = False
+        self.await_audio: Callable[[int], None] | None = None
+        self.pieces = False
         self.times = StepTimes()
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
@@ -82,6 +97,16 @@ class Pipeline:
                 self.stop.set()
         return run
 
+    def live(self, await_audio: Callable[[int], None] | None = None,
+             pieces: bool = True) -> Pipeline:
+        """Live mode (before `run`): the audio on a thread of its own, each step's take after
+        await_audio(i) returns (it raises Stopped to end the pipeline); with `pieces`, the
+        sink is called once per piece of a step's frames (sink(i, piece, meta), the pieces in
+        order), else once per step. Returns the pipeline."""
+        self.is_live, self.await_audio = True, await_audio
+        self.pieces = pieces and self.decode_pieces is not None
+        return self
+
     def flush_audio(self) -> int:
         """Barge-in: drop encoded audio of steps not yet started; returns how many."""
         dropped = 0
@@ -101,7 +126,30 @@ class Pipeline:
             if i >= 1:
                 j, latent, meta = self._get(self.latent_q)
                 frames = self._timed(self.times.decode, self.decode, latent)
-                self._put(self.frame_q, (j, frames, meta))
+                self._put(self.frame_q, (j, frames, meta, True))
+            i += 1
+
+    def _audio(self, steps: int | None) -> None:
+        i = 0
+        while steps is None or i < steps:
+            if self.await_audio is not None:
+                self.await_audio(i)
+            out = self._timed(self.times.audio, self.encode_audio, i)
+            self._put(self.audio_q, (i, out) if isinstance(out, tuple) else (i, (out, None)))
+            i += 1
+
+    def _decoder(self, steps: int | None) -> None:
+        i = 0
+        while steps is None or i < steps:
+            j, latent, meta = self._get(self.latent_q)
+            t0 = time.perf_counter()
+            pieces = self.decode_pieces(latent) if self.pieces else iter((self.decode(latent),))
+            for k, frames in enumerate(pieces):
+                if k == 0:
+                    self.times.first_piece.append((t0, time.perf_counter()))
+                self._put(self.frame_q, (j, frames, meta, False))
+            self.times.decode.append((t0, time.perf_counter()))
+            self._put(self.frame_q, (j, None, meta, True))  # the step's end
             i += 1
 
     def _diffusion(self, steps: int | None) -> None:
@@ -115,19 +163,29 @@ class Pipeline:
     def run(self, steps: int | None, sink: Callable) -> StepTimes:
         """Run `steps` AR steps (None: until stop is set); `sink(i, frames)` (or
         sink(i, frames, meta) when encode_audio gives meta) is called in this thread, in
-        order."""
-        threads = [threading.Thread(target=self._guard(lambda: self._rank0(steps)), name="rank0"),
-                   threading.Thread(target=self._guard(lambda: self._diffusion(steps)),
-                                    name="diffusion")]
+        order (in live mode with pieces, once per piece; `times.sink` has each step's first
+        call)."""
+        stages = [("diffusion", self._diffusion)]
+        stages += [("audio", self._audio), ("decode", self._decoder)] if self.is_live \
+            else [("rank0", self._rank0)]
+        threads = [threading.Thread(target=self._guard(lambda f=f: f(steps)), name=name)
+                   for name, f in stages]
         for t in threads:
             t.start()
         try:
-            i = 0
-            while steps is None or i < steps:
-                j, frames, meta = self._get(self.frame_q)
-                args = (j, frames) if meta is None else (j, frames, meta)
-                self._timed(self.times.sink, sink, *args)
-                i += 1
+            done, first = 0, True
+            while steps is None or done < steps:
+                # a step's frames whole or a piece of them; (j, None, meta, True): its end
+                j, frames, meta, ends = self._get(self.frame_q)
+                if frames is not None:
+                    args = (j, frames) if meta is None else (j, frames, meta)
+                    t0 = time.perf_counter()
+                    sink(*args)
+                    if first:
+                        self.times.sink.append((t0, time.perf_counter()))
+                    first = False
+                if ends:
+                    done, first = done + 1, True
         except Stopped:
             pass
         finally:

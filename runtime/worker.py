@@ -4,11 +4,16 @@ reference image, a prompt and speech, and runs them through the pipeline.
 On a GPU the worker is ready only when nothing is left to compile or capture: the engine's
 compiled kernels are loaded, a warm-up session has run every code path, and the steady and
 reset step graphs are captured (`startup` says what each part took and `compiles` counts
-what had to be compiled, zero for an engine with its kernels)."""
+what had to be compiled, zero for an engine with its kernels). The side networks load on a
+thread of their own beside the DiT's weights (their file read straight onto their device,
+their modules made without initialization: sidenets' load_side), and `startup["parts"]`
+times each part of the load (seconds, wall)."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
@@ -20,15 +25,43 @@ from .engine import Engine, EngineError
 from .pipeline import Pipeline, StepTimes
 
 
-def load_rank(engine: Engine, mapping: Mapping, exchange=None):
+@contextmanager
+def timed(parts: dict | None, name: str):
+    """Add the seconds (wall) of the block to parts[name] (nothing where parts is None)."""
+    t0 = time.perf_counter()
+    yield
+    if parts is not None:
+        parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
+
+
+def load_rank(engine: Engine, mapping: Mapping, exchange=None, parts: dict | None = None):
     """TP rank `mapping.rank`'s session on `mapping.device`, weights read straight onto it,
     with the engine's tables and (on a GPU) its GEMM plan; on a GPU its steps replay captured
-    graphs (warm_up captures them). `exchange`: the TP group's fused GEMM + all-reduce."""
+    graphs (warm_up captures them). `exchange`: the TP group's fused GEMM + all-reduce.
+    `parts` gets the seconds of reading the weights, the tables and assembling the rank."""
     device = mapping.torch_device
-    return rank_session(engine.config, engine.rank_state(mapping.rank, device), mapping,
-                        tables=engine.tables(device), exchange=exchange,
-                        gemm_plan=engine.gemm_plan(mapping.rank) if device.type == "cuda"
-                        else None)
+    with timed(parts, "rank_weights_s"):
+        state = engine.rank_state(mapping.rank, device)
+    with timed(parts, "tables_s"):
+        tables = engine.tables(device)
+    with timed(parts, "assemble_s"):
+        return rank_session(engine.config, state, mapping, tables=tables, exchange=exchange,
+                            gemm_plan=engine.gemm_plan(mapping.rank) if device.type == "cuda"
+                            else None)
+
+
+def load_side(engine: Engine, family, device: torch.device, parts: dict):
+    """The engine's side networks on `device`: the file read straight onto it, the family's
+    modules over those tensors, and on a GPU one call of each (warm_up_side); what each took
+    goes to `parts`."""
+    with timed(parts, "side_read_s"):
+        state = engine.side_state(device)
+    with timed(parts, "side_build_s"):
+        side = family.load_side(engine.config.model, state, device)
+    if device.type == "cuda":
+        with timed(parts, "warm_up_side_s"):
+            family.warm_up_side(side, engine.config.model, device)
+    return side
 
 
 class Worker:
@@ -52,21 +85,32 @@ class Worker:
                 engine.target.mapping(0).decoder_device)
         self.device = mapping.torch_device
         self.decoder_device = torch.device(mapping.decoder_device)
-        self.kernels = engine.kernel_cache(engine_kernels).activate() \
-            if self.device.type == "cuda" else None
-        self.spec = spec = cfg.model
+        parts, side_parts = {}, {}
+        with timed(parts, "kernel_cache_s"):
+            self.kernels = engine.kernel_cache(engine_kernels).activate() \
+                if self.device.type == "cuda" else None
+        self.spec = cfg.model
         with engine.verifying():
-            self.session = load_rank(engine, mapping)
-            self.side = self.family.load_side(spec, engine.side_state(), self.decoder_device)
+            # the side networks on their own thread: their read, their modules (and the
+            # imports those need) and their warm-up overlap the DiT's read and assembly; it
+            # is joined before the DiT's warm-up, whose graph capture must see no other
+            # thread's CUDA calls
+            pool = ThreadPoolExecutor(1, thread_name_prefix="side-networks")
+            side = pool.submit(load_side, engine, self.family, self.decoder_device, side_parts)
+            pool.shutdown(wait=False)
+            self.session = load_rank(engine, mapping, parts=parts)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            with timed(parts, "side_wait_s"):
+                self.side = side.result()
+            with timed(parts, "verify_wait_s"):
+                engine.verified()
         t1 = time.perf_counter()
         steps = 0
         if self.device.type == "cuda":
             steps = self.family.warm_up(self.session)
-            self.family.warm_up_side(self.side, spec, self.decoder_device)
         self.startup = {"load_s": t1 - t0, "warm_up_s": time.perf_counter() - t1,
-                        "warm_up_steps": steps}
+                        "warm_up_steps": steps, "parts": parts | side_parts}
         # the side networks' own stream on a GPU: decoding and audio encoding overlap the
         # diffusion where they share its GPU
         self.side_stream = torch.cuda.Stream(self.decoder_device) \
@@ -132,7 +176,17 @@ class Worker:
             return self.on_side_stream(
                 lambda x: self.side.decoder(x.to(self.decoder_device)).cpu(), latent, after=done)
 
-        return Pipeline(encode_audio, diffuse, decode)
+        # a decoder that streams latent by latent (LiveTalk's) gives a live session each
+        # latent's frames as they are decoded; another decodes each step whole
+        split = getattr(self.side.decoder, "per_latent", None)
+
+        def decode_pieces(item):
+            latent, done = item
+            for part in split(latent):
+                yield decode((part, done))
+
+        return Pipeline(encode_audio, diffuse, decode,
+                        decode_pieces=decode_pieces if split is not None else None)
 
     def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
         """Generate `steps` latents for `speech` (16 kHz mono) and hand each step's frames to

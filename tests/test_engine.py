@@ -266,3 +266,17 @@ def test_a_manifest_of_the_wrong_shape_gets_one_line(copy, edit, says):
     with pytest.raises(EngineError, match=re.escape(says)) as e:
         Engine.load(copy)
     assert "\n" not in str(e.value) and "rebuild the engine" in str(e.value)
+
+
+def test_a_damaged_side_file_stops_the_worker_as_the_checksum_mismatch_it_is(copy):
+    """The side networks load on a thread of their own: a side file that no longer reads
+    is reported as its checksum mismatch, not as the reader's error."""
+    from charengine.runtime.worker import Worker
+
+    f = copy / "side.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:16] = b"\x00" * 8  # the header: the file does not read
+    f.write_bytes(bytes(data))
+    engine = Engine.load(copy, verify_in_background=True)
+    with pytest.raises(EngineError, match="checksum mismatch in side.safetensors"):
+        Worker(engine)

@@ -1,13 +1,17 @@
 """Live sessions on the tiny engine: speech turns, listening between them, barge-in, and the
-Prometheus metrics served over HTTP on loopback."""
+Prometheus metrics served over HTTP on loopback; just in time, speech fed live reaches its
+frames without queueing, a silent microphone never starves playback, and LiveTalk's frames
+reach the pacer latent by latent as the whole chunk's would."""
 
+import statistics
+import threading
 import time
 
 import pytest
 import torch
 
 from charengine.runtime.engine import Engine
-from charengine.runtime.live import LiveSession, wait_until
+from charengine.runtime.live import LiveSession, SpeechBuffer, wait_until
 from charengine.runtime.metrics import Metrics
 from charengine.runtime.worker import Worker
 from engines import build_target
@@ -63,3 +67,123 @@ def test_metrics_count_sessions_and_flag_slow_ones(caplog):
     fps_line = next(ln for ln in text.splitlines() if ln.startswith("charengine_fps "))
     assert float(fps_line.split()[1]) == pytest.approx(20.0)
     assert "streamed below target" in caplog.text
+
+
+class TakeTimes(SpeechBuffer):
+    """A session's speech buffer that records when each step took its speech."""
+
+    def __init__(self):
+        super().__init__()
+        self.times: list[float] = []
+
+    def take(self, n: int):
+        out = super().take(n)
+        self.times.append(self.clock())
+        return out
+
+
+def _feed(session, speech, stop, frame=320, rate=16000):
+    """Push speech into the session in real time, 20 ms at a time, until `stop`."""
+    t0 = time.monotonic()
+    for k, part in enumerate(speech.split(frame)):
+        if stop.wait(max(0.0, t0 + k * frame / rate - time.monotonic())):
+            return
+        session.say(part)
+
+
+def _first_frames(worker, times: list[float], steps: int) -> list[float]:
+    """Each step's first frame's time from the publish times of a session's frames."""
+    out, n = [], 0
+    for k in range(steps):
+        if n < len(times):
+            out.append(times[n])
+        n += worker.family.step_frames(worker.spec, k)
+    return out
+
+
+def test_speech_fed_live_is_taken_just_in_time_for_its_frames(worker):
+    """Each step takes its speech as it arrives, a step's processing time before its slot:
+    from a take to its step's first frame is under two steps (taken as the pipeline asks, it
+    runs as far ahead as the queues and the pacer's slack hold steps: about five), and
+    playback does not stall."""
+    published = []
+    s = LiveSession(worker, lambda f, a, t, v: published.append(t))
+    s.speech = takes = TakeTimes()
+    stop = threading.Event()
+    feeder = threading.Thread(target=_feed, args=(s, torch.randn(16000 * 10) * 0.1, stop))
+    feeder.start()
+    s.start(torch.rand(3, 64, 64))
+    time.sleep(3.0)
+    s.stop()
+    stop.set()
+    feeder.join()
+    assert s.error is None
+    firsts = _first_frames(worker, published, len(takes.times))
+    step_s = worker.spec.frames_per_latent / worker.spec.fps
+    ahead = [f - t for f, t in zip(firsts[4:], takes.times[4:])]
+    assert len(ahead) >= 8 and statistics.median(ahead) < 2 * step_s, ahead
+    frame_s = 1 / worker.spec.fps
+    assert [x for x in s.pacer.playout.stalls if x[1] >= frame_s] == []
+
+
+def test_a_silent_microphone_never_starves_playback(worker):
+    """No speech at all: every step is taken at its deadline and frames play at the model's
+    rate."""
+    published = []
+    s = LiveSession(worker, lambda f, a, t, v: published.append((t, v)))
+    s.start(torch.rand(3, 64, 64))
+    assert wait_until(lambda: len(published) >= 8, 20)
+    t1 = published[-1][0]
+    time.sleep(2.0)
+    s.stop()
+    later = [t for t, _ in published if t1 < t <= t1 + 2.0]
+    assert len(later) >= 0.9 * 2.0 * worker.spec.fps
+    assert not any(v for _, v in published)
+
+
+@pytest.fixture(scope="module")
+def livetalk(tmp_path_factory):
+    return Worker(Engine.load(build_target(tmp_path_factory.mktemp("lt"), "cpu-tiny-livetalk")))
+
+
+def test_livetalk_frames_reach_the_pacer_latent_by_latent_as_the_whole_chunk(livetalk):
+    """A chunk's frames go to the pacer as each latent is decoded: its first frames reach
+    the pacer before its last latent is decoded, and the session plays the frames and audio
+    it plays with each chunk decoded whole."""
+    spec = livetalk.spec
+    speech = torch.randn(16000 * 2, generator=torch.Generator().manual_seed(1)) * 0.1
+    image = torch.rand(3, spec.out_h, spec.out_w, generator=torch.Generator().manual_seed(2))
+    frames = spec.first_step_frames + 3 * spec.frames_per_latent
+
+    def live(stream_decode):
+        got = []
+        s = LiveSession(livetalk, lambda f, a, t, v: got.append((f.clone(), a.clone(), v)),
+                        stream_decode=stream_decode)
+        s.say(speech)
+        s.start(image)
+        assert wait_until(lambda: len(got) >= frames, 60)
+        times = s.pipeline.times
+        s.stop()
+        assert s.error is None
+        return got[:frames], times
+
+    pieces, times = live(True)
+    whole, _ = live(False)
+    for (f, a, v), (g, b, w) in zip(pieces, whole):
+        torch.testing.assert_close(f, g, atol=1e-5, rtol=0)
+        assert torch.equal(a, b) and v == w
+    assert any(v for _, _, v in pieces)
+    for k in range(4):  # each chunk's first frames were sunk while its later latents decoded
+        assert times.first_piece[k][1] < times.sink[k][0] < times.decode[k][1]
+
+
+def test_only_leading_silence_is_dropped_from_the_speech_buffer():
+    b = SpeechBuffer()
+    b.push(torch.zeros(300))
+    b.push(torch.cat([torch.zeros(50), torch.full((100,), 0.5), torch.zeros(200)]))
+    assert b.drop_silence(1000) == 350  # up to the first loud sample, across chunks
+    assert (b.taken, b.dropped, b.queued()) == (350, 350, 300)
+    assert b.drop_silence(1000) == 0
+    heard, voiced, _, _ = b.take(100)
+    assert voiced and torch.equal(heard, torch.full((100,), 0.5))
+    assert b.drop_silence(150) == 150 and b.queued() == 50  # at most what was asked

@@ -150,3 +150,49 @@ def test_the_diffusion_in_its_own_process_gives_the_same_frames(engine_dir, tmp_
     assert len(frames["one"]) == len(frames["x2"]) > 9
     for a, b in zip(frames["one"], frames["x2"]):
         assert (a.astype(int) - b.astype(int)).__abs__().max() <= 2
+
+
+def test_side_networks_load_over_the_states_own_tensors():
+    """load_side makes the modules without initializing them and takes the state's tensors
+    as they lie (no copy on their device): the networks give what modules initialized and
+    then loaded give; a state missing a tensor is one line."""
+    from charengine.livetalk import audio
+    from charengine.livetalk.sidenets import SideNets, load_side, random_side_state
+
+    state = random_side_state(TINY, 3)
+    nets = load_side(TINY, state)
+    held = {k: v.data_ptr() for k, v in nets.state_dict().items()}
+    assert all(held[k] == v.data_ptr() for k, v in state.items())
+    assert not any(t.is_meta for t in [*nets.parameters(), *nets.buffers()])
+    ref = SideNets(TINY)
+    ref.load_state_dict(state)
+    ref = ref.eval().ready()
+    g = torch.Generator().manual_seed(0)
+    image = torch.rand(3, TINY.out_h, TINY.out_w, generator=g)
+    window = torch.randn(audio.window_samples(TINY.audio), generator=g)
+    z = torch.randn(TINY.latent_channels, TINY.chunk_frames, TINY.latent_h, TINY.latent_w,
+                    generator=g)
+    with torch.inference_mode():
+        assert torch.equal(nets.image_encoder(image), ref.image_encoder(image))
+        assert torch.equal(nets.text_encoder("hello"), ref.text_encoder("hello"))
+        assert torch.equal(audio.chunk_features(TINY.audio, nets.audio_encoder, window, 1),
+                           audio.chunk_features(TINY.audio, ref.audio_encoder, window, 1))
+        assert torch.equal(nets.decoder(z), ref.decoder(z))
+    del state[next(k for k in sorted(state) if k.startswith("vae."))]
+    with pytest.raises(ValueError, match="side networks: missing tensor 'vae."):
+        load_side(TINY, state)
+
+
+def test_the_worker_loads_its_side_networks_beside_the_dit_and_times_each_part(engine_dir):
+    worker = Worker(Engine.load(engine_dir, verify_in_background=True))
+    parts = worker.startup["parts"]
+    assert {"rank_weights_s", "tables_s", "assemble_s", "side_read_s", "side_build_s",
+            "side_wait_s", "verify_wait_s"} <= set(parts)
+    assert all(v >= 0 for v in parts.values())
+    main = sum(parts[k] for k in ("kernel_cache_s", "rank_weights_s", "tables_s", "assemble_s",
+                                  "side_wait_s", "verify_wait_s"))
+    assert worker.startup["load_s"] - 0.5 <= main <= worker.startup["load_s"]
+    frames = []
+    worker.start(torch.rand(3, TINY.out_h, TINY.out_w), "hello")
+    worker.run(0.1 * torch.randn(16000), 1, lambda i, f: frames.append(f))
+    assert frames and frames[0].shape[1:] == (3, TINY.out_h, TINY.out_w)

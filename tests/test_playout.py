@@ -92,3 +92,31 @@ def test_flush_drops_frames_not_yet_played():
     pacer.close()
     assert out and len(out) < 12
     assert max(t for t, _ in out) <= t_flush
+
+
+def test_pieces_of_a_step_play_back_to_back_and_backpressure_counts_frames():
+    # steps of 12 frames pushed in pieces of 4 (a live session's latents as they are decoded)
+    out = []
+    pacer = Pacer(lambda f, a, t, v: out.append((t, a.numel())), fps=24, frames_per_step=12,
+                  slack=2)
+    assert pacer.schedule() == (None, 0)  # nothing started: no slot yet
+    pieces = [Step(torch.zeros(4, 3, 8, 8), torch.zeros(2000), last=j == 2) for j in range(3)]
+    t0 = time.monotonic()
+    for p in pieces:  # a whole step's frames may wait: these return at once
+        assert pacer.push(p)
+    assert time.monotonic() - t0 < 0.1
+    assert pacer.queued_steps() <= 1
+    more = [Step(torch.zeros(4, 3, 8, 8), torch.zeros(2000), last=j == 2) for j in range(3)]
+    assert pacer.push(more[0])  # 12 frames may wait ahead of the playing piece
+    slot, started = pacer.schedule()
+    assert started >= 4 and slot is not None
+    # returns once the pacer takes the first step's second piece, after the first's last frame
+    assert pacer.push(more[1])
+    assert time.monotonic() - t0 > 3 / 24 - 0.02
+    pacer.push(more[2])
+    pacer.close(drain=True)
+    times = [t for t, _ in out]
+    assert len(times) == 24 and sum(n for _, n in out) == 6 * 2000
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert pacer.playout.stalls == [] and max(gaps) < 1 / 24 + 0.03  # the pieces back to back
+    assert pacer.schedule()[1] == 24

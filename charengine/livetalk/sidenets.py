@@ -71,16 +71,38 @@ def random_side_state(spec: LiveTalkSpec, seed: int) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in nets.state_dict().items()}
 
 
+def side_dtypes(spec: LiveTalkSpec, device) -> dict[str, torch.dtype]:
+    """Name prefix -> the dtype its tensors run in on `device`: the VAE in its GPU dtype on a
+    GPU; every other tensor as stored."""
+    if torch.device(device).type == "cuda":
+        return {"vae.": getattr(torch, spec.vae.gpu_dtype)}
+    return {}
+
+
 def load_side(spec: LiveTalkSpec, state: dict, device="cpu") -> SideNets:
-    nets = SideNets(spec)
-    missing, unexpected = nets.load_state_dict(state, strict=False)
+    """The side networks over `state`'s own tensors: the modules are made on the meta device
+    (no random initialization, no copy into it) and take the state's tensors, moved to
+    `device` and its dtypes (side_dtypes) where they are not there yet; a state read
+    straight onto the device is used as it lies."""
+    with torch.device("meta"):
+        nets = SideNets(spec)
+    names = set(nets.state_dict())
+    missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
     if missing or unexpected:
         name = (missing or unexpected)[0]
         raise ValueError(f"side networks: {'missing' if missing else 'unexpected'} tensor {name!r}")
-    nets = nets.to(device).eval()
-    if torch.device(device).type == "cuda":
-        nets.vae.to(getattr(torch, spec.vae.gpu_dtype))
-    return nets.ready()
+    device, dtypes = torch.device(device), side_dtypes(spec, device)
+
+    def placed(name: str, t: torch.Tensor) -> torch.Tensor:
+        dtype = next((d for p, d in dtypes.items() if name.startswith(p)), t.dtype)
+        return t.to(device, dtype)
+
+    nets.load_state_dict({k: placed(k, v) for k, v in state.items()}, assign=True)
+    left = next((k for k, t in [*nets.named_parameters(), *nets.named_buffers()]
+                 if t.is_meta), None)
+    if left is not None:  # a tensor no state holds (a buffer left out of the state dict)
+        raise ValueError(f"side networks: {left!r} is not in the engine's state")
+    return nets.eval().ready()
 
 
 def load_side_files(spec: LiveTalkSpec, vae: Path | None, wav2vec: Path | None,

@@ -197,6 +197,14 @@ class StreamingDecoder:
     def reset(self) -> None:
         self.state.reset()
 
+    def per_latent(self, latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A step's latents [z, F, h, w] as calls of one latent each, in order, except that a
+        session's first latent (one frame) goes with the next (so no call gives fewer than
+        4 frames): decoded one after the other they give the frames of the whole (a live
+        session hands each call's frames on as they are decoded)."""
+        first = 1 if self.started or latents.shape[1] < 2 else 2
+        return (latents[:, :first], *latents[:, first:].split(1, dim=1))
+
     @torch.no_grad()
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
         s = self.spec

@@ -1,0 +1,60 @@
+"""scripts/livetalk_latency.py on a tiny-livetalk engine: a paced live session with speech
+fed in 20 ms frames, every measured chunk's latency from its last audio frame to its first
+frame at the sink (just in time: under a chunk), the first frames' time, and the results
+document's figures."""
+
+import importlib.util
+import math
+
+import pytest
+
+from engines import ROOT, build_target
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("livetalk_latency",
+                                                  ROOT / "scripts" / "livetalk_latency.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    return build_target(tmp_path_factory.mktemp("lt"), "cpu-tiny-livetalk")
+
+
+def test_latency_per_chunk_is_measured_for_each_chunk(engine_dir):
+    lat = _script()
+    doc = lat.run(engine_dir, chunks=3, warmup=1, unpaced=2, decode_reps=1)
+    assert doc["preset"] == "tiny-livetalk" and doc["chunks"] == 3
+    rows = doc["per_chunk"]
+    assert [r["chunk"] for r in rows] == [1, 2, 3]
+    # speech streams for the whole session: every chunk after the first took some
+    assert doc["chunks_with_speech"] == 3
+    for r in rows:
+        assert 0 < r["speech_samples"] <= 12000  # at most a chunk's 12 frames at 1000 each
+        assert math.isfinite(r["latency_s"]) and r["latency_s"] > 0
+        # the frame reaches the sink after its audio arrived, then the parts add up to it
+        assert r["first_frame_t"] > r["last_audio_t"]
+        assert sum(r["parts_s"].values()) == pytest.approx(r["latency_s"], abs=1e-6)
+        assert all(v >= 0 for k, v in r["parts_s"].items() if k != "to_take")
+    assert doc["latency_p50_ms"] == pytest.approx(
+        1e3 * sorted(r["latency_s"] for r in rows)[1])
+    assert doc["latency_ms"]["min"] <= doc["latency_p50_ms"] <= doc["latency_p90_ms"]
+    # the first frame follows the session's start, before any measured chunk's frame
+    assert 0 < doc["first_frames_s"] < rows[0]["first_frame_t"]
+    assert doc["ready_s"] > 0
+    for stage in ("audio", "diffusion", "decode"):
+        assert doc["unpaced_stage_ms"][stage]["p50"] > 0
+    assert 0 < doc["decode_ms"]["first_latent"]["p50"]
+    assert doc["engine"]["target"] == "cpu-tiny-livetalk"
+    # just in time: a take runs less than a chunk ahead of its first frame, and the latency
+    # is the processing (under a chunk of 750 ms here), not queued chunks
+    assert doc["just_in_time"] and doc["stream_decode"]
+    assert doc["take_to_first_frame_chunks_p50"] < 1
+    assert doc["latency_p50_ms"] < 1e3 * 12 / 16
+    assert 0 <= doc["chunks_taken_whole"] <= 3 and doc["dropped_ms"] >= 0
+    assert doc["padded_ms"] == pytest.approx(
+        sum(r["take_samples"] - r["speech_samples"] for r in rows) / 16)
+    assert doc["dropped_ms"] == pytest.approx(sum(r["dropped_samples"] for r in rows) / 16)
