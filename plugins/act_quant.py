@@ -1,13 +1,16 @@
 """Per-token FP8 activation quantization, alone and fused with what comes before each block
 linear: layer norm and AdaLN modulation before the input projection (with the previous
-block's gated residual add in front of it), SwiGLU (and the concatenation with the attention
-output) before the output projection. Each program owns
-one row (token), so the per-token scale (amax / 448) needs no second kernel. The kernels
+block's gated residual add in front of it, and a frame's audio row), a layer norm with its own
+weight and bias after a gated residual (LiveTalk's cross-attention input), SwiGLU (and the
+concatenation with the attention output) or GELU before the output projection. Each program
+owns one row (token), so the per-token scale (amax / 448) needs no second kernel. The kernels
 round where the references round (to the compute dtype after each torch op), so they differ
 only where fp32 evaluation order or fused multiply-adds move a compute-dtype rounding.
 
 References: charengine.fp8.quantize_rows (scale = amax / 448, saturate, round to nearest
-even), `norm_modulate_reference`, `residual_norm_modulate_reference`, `swiglu_reference`.
+even), `norm_modulate_reference`, `residual_norm_modulate_reference`,
+`residual_layer_norm_reference`, `residual_add_norm_modulate_reference`,
+`gelu_quant_reference`, `swiglu_reference`.
 """
 
 from __future__ import annotations

@@ -38,6 +38,13 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.T
     return fp8.quantize_rows(q) if quantize_q else q
 
 
+def check_head_dims(**tensors: torch.Tensor) -> None:
+    """One line naming the first of the kernels' inputs whose head dimension is strided."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous head dimension")
+
+
 def triton_pre_attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale,
                          v_scale, write_index, quantize_q: bool = False, block_t: int = 16,
                          warps: int = 4):
@@ -46,9 +53,7 @@ def triton_pre_attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_stor
     import triton
 
     H, T, D = q.shape
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_store", k_store)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous head dimension")
+    check_head_dims(q=q, k=k, v=v, k_store=k_store)
     quant = k_scale is not None
     if quant != (k_store.dtype == fp8.FP8):
         raise ValueError("scales go with FP8 stores, and only with them")

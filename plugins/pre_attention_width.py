@@ -19,6 +19,7 @@ from charengine.ops import rms_norm_width
 from charengine.rope import rotate
 
 from . import registry
+from .pre_attention import check_head_dims
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
@@ -45,9 +46,7 @@ def triton_pre_attention_width(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, 
     """The kernel; arguments and result as `reference` (q, k, v may be strided views with a
     contiguous head dimension, as the input projection's output split)."""
     T, H, D = q.shape
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_store", k_store)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous head dimension")
+    check_head_dims(q=q, k=k, v=v, k_store=k_store)
     if k_store.dtype != fp8.FP8 or v_store.dtype != fp8.FP8:
         raise ValueError("the stores must be FP8")
     if D % 2 or D & (D - 1):

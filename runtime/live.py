@@ -125,22 +125,21 @@ class SpeechBuffer:
     def queued(self) -> int:
         """Samples waiting, up to a turn's end."""
         with self.lock:
-            have = 0
-            for c in self.chunks:
-                if c is None:
-                    break
-                have += c.numel()
-            return have
+            return self._ahead()[0]
 
-    def _has(self, n: int) -> bool:
+    def _ahead(self) -> tuple[int, bool]:
+        """(samples waiting up to a turn's end, whether a turn's end is queued); under the
+        lock."""
         have = 0
         for c in self.chunks:
             if c is None:
-                return True  # the turn ended: nothing more comes for this take
+                return have, True
             have += c.numel()
-            if have >= n:
-                return True
-        return False
+        return have, False
+
+    def _has(self, n: int) -> bool:
+        have, ended = self._ahead()
+        return ended or have >= n  # a turn's end: nothing more comes for this take
 
     def wait_for(self, n: int, timeout: float) -> bool:
         """Whether a take of n samples would find them all (or a turn's end) within

@@ -121,8 +121,7 @@ class Pipeline:
         i = 0
         while steps is None or i <= steps:
             if steps is None or i < steps:
-                out = self._timed(self.times.audio, self.encode_audio, i)
-                self._put(self.audio_q, (i, out) if isinstance(out, tuple) else (i, (out, None)))
+                self._encode(i)
             if i >= 1:
                 j, latent, meta = self._get(self.latent_q)
                 frames = self._timed(self.times.decode, self.decode, latent)
@@ -134,9 +133,13 @@ class Pipeline:
         while steps is None or i < steps:
             if self.await_audio is not None:
                 self.await_audio(i)
-            out = self._timed(self.times.audio, self.encode_audio, i)
-            self._put(self.audio_q, (i, out) if isinstance(out, tuple) else (i, (out, None)))
+            self._encode(i)
             i += 1
+
+    def _encode(self, i: int) -> None:
+        """Step i's audio features (and meta) onto the audio queue."""
+        out = self._timed(self.times.audio, self.encode_audio, i)
+        self._put(self.audio_q, (i, out) if isinstance(out, tuple) else (i, (out, None)))
 
     def _decoder(self, steps: int | None) -> None:
         i = 0

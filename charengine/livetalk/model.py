@@ -192,7 +192,7 @@ class LiveTalkDiT:
         h = h.flatten(2)[0].t()  # [F * T, dim], tokens ordered (frame, row, column)
         mods, head_mod = self.modulations(p)
         T, eps, last = spec.frame_tokens, spec.norm_eps, spec.n_blocks - 1
-        pending = None  # with fused_residual: the FFN residual (gate, output) not yet added
+        pending = None  # with fused_residual: the FFN residual (output, gate) not yet added
         for b in range(spec.n_blocks):
             add = audio[self.audio_at[b]] if b in self.audio_at else None
             shift1, scale1, gate1, shift2, scale2, gate2 = mods[b]
@@ -238,7 +238,8 @@ class LiveTalkDiT:
             else:
                 h = gated_residual(h, gate2, f)
         if pending is not None:
-            h = gated_residual_once(h, gate2, pending[0])
+            f, gate = pending
+            h = gated_residual_once(h, gate, f)
         shift, scale = head_mod
         out = self.linear("head.head", modulate(h, shift, scale, eps))
         return self.unpatchify(out, x.shape[1])
