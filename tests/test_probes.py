@@ -25,6 +25,7 @@ import pytest
 from charengine.runtime.lifecycle import END_RESERVE_S
 from engines import ROOT, build_target
 from netns import can_netns, namespace
+from procs import still_running
 
 pytestmark = pytest.mark.slow
 CHARRUN = [sys.executable, "-m", "charengine.runtime.cli"]
@@ -192,8 +193,8 @@ def test_serve_probes_through_a_start_a_session_and_a_sigterm_that_drains_it(eng
         # sooner than the connect timeout), then ended within the grace period
         assert SESSION_AFTER_SIGTERM_S - 0.3 <= exited < GRACE_S, (exited, c.output)
         assert code == 0, c.output
-        _, alive = psutil.wait_procs(tree, timeout=1.0)
-        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+        alive = still_running(tree, timeout=1.0)
+        assert not alive, alive
         assert "Traceback" not in c.output, c.output
         assert "ending the session in progress" in c.output
     finally:
@@ -234,7 +235,7 @@ def test_a_drain_that_cannot_end_gives_up_at_the_grace_period(engines):
         assert code == 1 and GRACE_S - 0.5 < took < GRACE_S + 2, (code, took, c.output)
         assert f"the drain did not end within --grace-period {GRACE_S:g} s" in c.output
         assert "Traceback" not in c.output, c.output
-        _, alive = psutil.wait_procs(ranks[1:], timeout=2.0)
+        alive = still_running(ranks[1:], timeout=2.0)
         assert not alive, alive
     finally:
         for r in ranks:

@@ -24,6 +24,7 @@ import pytest
 from PIL import Image
 
 from engines import build_target
+from procs import still_running
 
 pytestmark = pytest.mark.slow
 CHARRUN = [sys.executable, "-m", "charengine.runtime.cli"]
@@ -174,8 +175,7 @@ def test_sigterm_ends_a_tp_server_and_its_ranks_within_2_s(engines):
     s.p.send_signal(signal.SIGTERM)
     code = s.p.wait(30)
     exited = time.monotonic() - t0
-    _, alive = psutil.wait_procs(tree, timeout=max(0.0, 2.0 - exited))
-    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = still_running(tree, timeout=2.0 - exited)
     assert exited < 2.0 and not alive, (exited, alive)
     assert code == 0
     out = s.stop()
