@@ -162,6 +162,10 @@ class Family(Protocol):
         """The decoder and the audio encoder of loaded side networks (`load_side` on the CPU)
         as the graphs charbuild --export-onnx writes."""
 
+    def decode_pieces(self, side, latent: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """A step's latent as the decoder calls a live session hands on one by one (None:
+        decoded whole)."""
+
 
 class FamilyModules:
     """The members every family delegates to its own modules the same way (its package's
@@ -190,6 +194,11 @@ class FamilyModules:
 
     def warm_up_side(self, side, spec, device) -> None:
         self._module("warmup").warm_up_side(side, spec, device)
+
+    def decode_pieces(self, side, latent: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """A step's latent as the decoder's successive calls, in order, whose frames a live
+        session hands on as each is decoded; None where the decoder takes a step whole."""
+        return None
 
     def onnx_graphs(self, spec, side) -> list[OnnxGraph]:
         return self._module("onnx_graphs").onnx_graphs(spec, side)

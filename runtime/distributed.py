@@ -238,6 +238,9 @@ class DistributedWorker:
         self.target = engine.target  # what the page and /status name
         self.timeout_s, self.ready_timeout_s = timeout_s, ready_timeout_s
         self.stop_grace_s = stop_grace_s
+        # a steady step's processing time is not measured across the group: a live session's
+        # first deadlines use its first step's (runtime/live.py)
+        self.processing_s = None
         self.mapping = engine.target.mapping(0)
         self.family = family_of(self.cfg)
         self.decoder_device = torch.device(self.mapping.decoder_device)

@@ -11,9 +11,14 @@ played) less the session's processing time (take to first frames at the pacer, t
 the last `PROCESSING_WINDOW` steps after the first) and a margin. So a silent or stalled
 microphone never starves playback, and speech waits in no queue: from a step's last speech
 to its first frame is the processing time and the margin. The first step is taken at once
-(the character shows as soon as it can), the second once the first step's processing time
-is known. The decoder hands on each latent's frames as they are decoded (where the family's
-decoder streams latent by latent) and the pacer plays them as they come. Without
+(the character shows as soon as it can); until a later step's processing time is known, the
+deadlines use the worker's measure of a steady step's (`Worker.time_processing`, measured at
+ready on a GPU), else the first step's. (The first step's is the longer: a session's first
+decode gives more frames. Speech that arrives from the session's first moment fills the
+steps after it up to their deadlines, so the time the deadline assumes sets the latency
+those steps' speech plays at until a pause brings it back.) The decoder hands on each
+latent's frames as they are decoded (where the family's decoder streams latent by latent)
+and the pacer plays them as they come. Without
 `just_in_time` a step takes its speech when the pipeline asks for it, and the pacer's
 backpressure keeps the generator at most a few steps ahead of playback.
 
@@ -55,9 +60,10 @@ PROCESSING_WINDOW = 64
 DEADLINE_MARGIN_FRAMES = 0.5  # frame times between a step's first frames and its slot
 WAIT_POLL_S = 0.05  # a take waiting for its speech looks at its deadline at least this often
 # speech complete this many frame times before its deadline plays that much later than it
-# could: leading silence is dropped from the buffer until it is RESYNC_KEEP_FRAMES early
+# could: the pauses in it are shortened until it is RESYNC_KEEP_FRAMES early
 RESYNC_LEAD_FRAMES = 2.0
 RESYNC_KEEP_FRAMES = 1.0
+PAUSE_KEEP_S = 0.1  # a shortened pause keeps this much of its silence (a word's gap stays)
 SILENCE_LEVEL = 1e-3  # samples at most this loud (about -60 dBFS) are silence that may be dropped
 
 
@@ -72,7 +78,7 @@ class SpeechBuffer:
         self.chunks: list[torch.Tensor | None] = []
         self.pushed = 0  # samples pushed so far
         self.taken = 0  # samples taken (or cleared, or dropped) so far
-        self.dropped = 0  # leading silence dropped so far (drop_silence)
+        self.dropped = 0  # silence dropped so far (shorten_pauses)
         self.marks: list[tuple[int, float]] = []  # (sample index, arrival time)
 
     def push(self, samples: torch.Tensor) -> None:
@@ -101,25 +107,48 @@ class SpeechBuffer:
         with self.lock:
             self.arrived.notify_all()
 
-    def drop_silence(self, most: int, level: float = SILENCE_LEVEL) -> int:
-        """Drop up to `most` samples of silence (none louder than `level`) from the front,
-        up to the first louder sample or a turn's end; returns how many."""
+    def shorten_pauses(self, most: int, within: int, keep: int,
+                       level: float = SILENCE_LEVEL) -> int:
+        """Drop up to `most` samples of silence (none louder than `level`) from the first
+        `within` samples queued (up to a turn's end): each run of silence there is shortened,
+        earliest first, to no less than `keep` samples (its first ones stay), and the speech
+        around it is kept whole. Returns how many were dropped."""
         with self.lock:
+            head, have = [], 0
+            while self.chunks and self.chunks[0] is not None and have < within:
+                head.append(self.chunks.pop(0))
+                have += head[-1].numel()
+            x = torch.cat(head) if head else torch.zeros(0)
+            quiet = (x[:within].abs() <= level).to(torch.int8)
+            edges = torch.diff(quiet, prepend=quiet.new_zeros(1), append=quiet.new_zeros(1))
+            runs = zip((edges == 1).nonzero().flatten().tolist(),
+                       (edges == -1).nonzero().flatten().tolist())
+            kept = torch.ones(x.numel(), dtype=torch.bool)
             dropped = 0
-            while self.chunks and self.chunks[0] is not None and dropped < most:
-                c = self.chunks[0][: most - dropped]
-                loud = (c.abs() > level).nonzero()
-                k = int(loud[0]) if loud.numel() else c.numel()
-                dropped += k
-                if k < self.chunks[0].numel():
-                    self.chunks[0] = self.chunks[0][k:]
-                    if loud.numel():
-                        break
-                else:
-                    self.chunks.pop(0)
-            self.taken += dropped
-            self.dropped += dropped
-            self.marks = [(i, t) for i, t in self.marks if i >= self.taken]
+            for a, b in runs:
+                cut = min(b - a - keep, most - dropped)
+                if cut > 0:
+                    kept[a + keep:a + keep + cut] = False
+                    dropped += cut
+                if dropped >= most:
+                    break
+            if x.numel():
+                self.chunks.insert(0, x[kept] if dropped else x)
+            if dropped:
+                # arrival marks: a mark in a dropped run goes, one before the first cut keeps
+                # its place in the queue (taken moves past what was dropped)
+                before = torch.cumsum((~kept).to(torch.int64), 0)
+
+                def moved(i: int) -> int | None:
+                    q = i - self.taken  # its place in the queue before the drop
+                    if q >= x.numel():
+                        return i
+                    return i + dropped - int(before[q]) if kept[q] else None
+
+                self.marks = [(m, t) for m, t in ((moved(i), t) for i, t in self.marks)
+                              if m is not None]
+                self.taken += dropped
+                self.dropped += dropped
             return dropped
 
     def queued(self) -> int:
@@ -203,7 +232,8 @@ class TakenSpeech:
 class LiveSession:
     def __init__(self, worker: Worker, publish, slack: int = 2, metrics: Metrics | None = None,
                  seed: int = 0, session_id: str = "", on_step_done=None, on_error=None,
-                 on_state=None, just_in_time: bool = True, stream_decode: bool = True):
+                 on_state=None, just_in_time: bool = True, stream_decode: bool = True,
+                 processing_estimate: float | None = None):
         """publish(frame [3, H, W], audio [samples at 16 kHz], t, voiced) runs on the pacer's
         thread at each frame's time; on_error(message) runs on the session's thread when the
         session fails (a rank died, the decoder failed), once, after it has stopped;
@@ -212,7 +242,9 @@ class LiveSession:
         frame. `just_in_time`: each step takes its speech once it has arrived or at its
         deadline (the module's doc), on a thread of its own; `stream_decode`: each latent's
         frames go to the pacer as they are decoded. Both off: the plain pipeline of a
-        render, each step's speech taken when the pipeline asks for it."""
+        render, each step's speech taken when the pipeline asks for it.
+        `processing_estimate`: a steady step's processing time (seconds) for the deadlines
+        before one is measured; the worker's (`processing_s`) where not given."""
         self.worker, self.spec = worker, worker.spec
         self.just_in_time, self.stream_decode = just_in_time, stream_decode
         self.metrics, self.seed, self.session_id = metrics, seed, session_id
@@ -244,6 +276,8 @@ class LiveSession:
         self.frames_committed = 0
         self.processing: collections.deque[float] = collections.deque(maxlen=PROCESSING_WINDOW)
         self.first_processing: float | None = None  # step 0's (its decode is unlike others')
+        self.estimate = processing_estimate if processing_estimate is not None \
+            else worker.processing_s
         self.sinking = (-1, 0)  # (step, its frames sunk so far)
         self.stalls_seen = 0
         self.flush_slots: set[float] = set()  # barge-in restarts: the gap after one is no stall
@@ -315,14 +349,18 @@ class LiveSession:
     def deadline(self) -> float:
         """When the next step must take its speech, on the pacer's clock: its slot (the
         frames taken before it played from the pacer's next slot on) less the processing
-        time and the margin. -inf for the first step; inf until the first step's processing
-        time is known."""
+        time and the margin. -inf for the first step; inf until the first step's frames
+        are at the pacer."""
         next_slot, started = self.pacer.schedule()
         with self.count_lock:
             ahead = max(0, self.frames_committed - started)
             if not self.processing and self.first_processing is None:
                 return -math.inf if ahead == 0 else math.inf
-            processing = max(self.processing) if self.processing else self.first_processing
+            if self.processing:
+                processing = max(self.processing)
+            else:
+                processing = self.estimate if self.estimate is not None \
+                    else self.first_processing
         now = self.pacer.clock()
         base = now if next_slot is None else max(now, next_slot)
         return base + (ahead - DEADLINE_MARGIN_FRAMES) / self.spec.fps - processing
@@ -331,8 +369,8 @@ class LiveSession:
         """Until step i's speech has arrived or its deadline has come (the audio thread).
         Live speech (arriving as it is taken: no more than a frame's worth queued past the
         take) complete well before its deadline plays later than it needs to (the phase a
-        session's start or a slow step left): its leading silence is dropped and the wait
-        goes on, so the latency comes back to the processing time in a pause."""
+        session's start or a slow step left): the pauses in it are shortened and the wait
+        goes on, so the latency comes back to the processing time at the speech's pauses."""
         n = self.take_size(i)
         sample_rate = self.spec.side.sample_rate
         while not self.pipeline.stop.is_set():
@@ -346,7 +384,8 @@ class LiveSession:
                 if self.speech.queued() - n > sample_rate / self.spec.fps:
                     return  # not speech arriving live (an uploaded clip): all of it plays
                 excess = lead - RESYNC_KEEP_FRAMES / self.spec.fps
-                if not self.speech.drop_silence(int(excess * sample_rate)):
+                if not self.speech.shorten_pauses(int(excess * sample_rate), n,
+                                                  int(PAUSE_KEEP_S * sample_rate)):
                     return
         raise Stopped
 

@@ -7,7 +7,8 @@ reset step graphs are captured (`startup` says what each part took and `compiles
 what had to be compiled, zero for an engine with its kernels). The side networks load on a
 thread of their own beside the DiT's weights (their file read straight onto their device,
 their modules made without initialization: sidenets' load_side), and `startup["parts"]`
-times each part of the load (seconds, wall)."""
+times each part of the load (seconds, wall) and, on a GPU, gives the allocator's peak after
+each (`peak_mb_after_*`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ def timed(parts: dict | None, name: str):
     yield
     if parts is not None:
         parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
+
+
+def peak_mb(device: torch.device) -> float | None:
+    """The most GPU memory the process's allocator has held on `device` so far (MB; None off
+    a GPU): read after each part of the start, the part where it grows is where the peak
+    lies (parts on two threads share one figure)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / (1 << 20)
 
 
 def load_rank(engine: Engine, mapping: Mapping, exchange=None, parts: dict | None = None):
@@ -59,8 +69,10 @@ def load_side(engine: Engine, family, device: torch.device, parts: dict):
     with timed(parts, "side_build_s"):
         side = family.load_side(engine.config.model, state, device)
     if device.type == "cuda":
+        parts["peak_mb_after_side_build"] = peak_mb(device)
         with timed(parts, "warm_up_side_s"):
             family.warm_up_side(side, engine.config.model, device)
+        parts["peak_mb_after_side_warm_up"] = peak_mb(device)
     return side
 
 
@@ -101,20 +113,29 @@ class Worker:
             self.session = load_rank(engine, mapping, parts=parts)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+                parts["peak_mb_after_dit_load"] = peak_mb(self.device)
             with timed(parts, "side_wait_s"):
                 self.side = side.result()
             with timed(parts, "verify_wait_s"):
                 engine.verified()
-        t1 = time.perf_counter()
-        steps = 0
-        if self.device.type == "cuda":
-            steps = self.family.warm_up(self.session)
-        self.startup = {"load_s": t1 - t0, "warm_up_s": time.perf_counter() - t1,
-                        "warm_up_steps": steps, "parts": parts | side_parts}
         # the side networks' own stream on a GPU: decoding and audio encoding overlap the
         # diffusion where they share its GPU
         self.side_stream = torch.cuda.Stream(self.decoder_device) \
             if self.decoder_device.type == "cuda" else None
+        t1 = time.perf_counter()
+        steps = 0
+        # a steady step's processing time (time_processing), measured where the worker warms
+        # up; a live session's first deadlines use it
+        self.processing_s: float | None = None
+        if self.device.type == "cuda":
+            steps = self.family.warm_up(self.session)
+            parts["peak_mb_after_dit_warm_up"] = peak_mb(self.device)
+            with timed(parts, "time_processing_s"):
+                self.processing_s = self.time_processing()
+            parts["peak_mb_after_time_processing"] = peak_mb(self.device)
+        self.startup = {"load_s": t1 - t0, "warm_up_s": time.perf_counter() - t1,
+                        "warm_up_steps": steps, "processing_s": self.processing_s,
+                        "parts": parts | side_parts}
 
     def on_side_stream(self, fn, *inputs, after=None):
         """fn(*inputs) on the side stream, after the event `after` (else, where an input is on
@@ -134,6 +155,35 @@ class Worker:
             out = fn(*inputs)
         self.side_stream.synchronize()
         return out.clone() if isinstance(out, torch.Tensor) and out.is_cuda else out
+
+    @torch.inference_mode()
+    def time_processing(self, seed: int = 0) -> float:
+        """Seconds from a steady step's audio take to its first frames, its stages one after
+        the other as a live step runs them: the encode of a step's audio window, the step
+        (a graph replay on a GPU) and the decoder's first call on its latent (the first piece
+        where the decoder streams), the decoder's state mid-session. Run on a session at its
+        steady point (where the warm-up leaves it; a session's start resets what it changes).
+        A live session's deadlines use it until its own steps have been measured."""
+        g = torch.Generator().manual_seed(seed)
+        shapes = self.family.step_shapes(self.spec)
+        window = self.family.audio_window(
+            self.spec, torch.zeros(self.family.window_samples(self.spec)), 1)
+        noise = torch.randn(shapes.noise_shape, generator=g)
+
+        def decode(latent):
+            pieces = self.family.decode_pieces(self.side, latent) or (latent,)
+            return self.on_side_stream(
+                lambda x: self.side.decoder(x.to(self.decoder_device)).cpu(), pieces[0])
+
+        self.side.decoder.reset()
+        decode(torch.randn(shapes.latent, generator=g))  # a session's first call decodes more
+        t0 = time.perf_counter()
+        feats = self.on_side_stream(lambda x: self.family.encode_audio(
+            self.side, self.spec, x.to(self.decoder_device), 1), window)
+        decode(self.session.step(noise.to(self.device), feats.to(self.device)))
+        took = time.perf_counter() - t0
+        self.side.decoder.reset()
+        return took
 
     @property
     def compiles(self) -> int:
@@ -178,15 +228,17 @@ class Worker:
 
         # a decoder that streams latent by latent (LiveTalk's) gives a live session each
         # latent's frames as they are decoded; another decodes each step whole
-        split = getattr(self.side.decoder, "per_latent", None)
+        latent_shape = self.family.step_shapes(self.spec).latent
+        streams = self.family.decode_pieces(
+            self.side, torch.empty(latent_shape, device="meta")) is not None
 
         def decode_pieces(item):
             latent, done = item
-            for part in split(latent):
+            for part in self.family.decode_pieces(self.side, latent):
                 yield decode((part, done))
 
         return Pipeline(encode_audio, diffuse, decode,
-                        decode_pieces=decode_pieces if split is not None else None)
+                        decode_pieces=decode_pieces if streams else None)
 
     def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
         """Generate `steps` latents for `speech` (16 kHz mono) and hand each step's frames to

@@ -32,8 +32,15 @@ and each latent's frames go to the pacer as they are decoded, so the latency is 
 processing time and the margin, not queues. `take_to_first_frame_chunks_p50` says how far
 ahead of its first frame a take runs, in chunks; `chunks_taken_whole` counts the takes that
 found all their speech (the rest were taken at the deadline, the missing speech padded with
-silence: `padded_ms`); `dropped_ms` is the leading silence dropped to bring a late phase back
-(runtime/live.py). --no-just-in-time and --no-stream-decode measure the session without
+silence: `padded_ms`); `dropped_ms` is the silence cut from the speech's pauses to bring a
+late phase back (runtime/live.py). The deadlines before a session's own steps are measured
+use the worker's measure of a steady step's processing time (`Worker.time_processing`, at
+ready on a GPU; a CPU worker does not warm up, so here the script measures it the same way
+after a short render: `processing_estimate_s`); --no-estimate leaves them the first step's.
+--speech-after S feeds S seconds of silent frames before the speech (a session that starts
+listening); by default speech flows from the session's first moment. `first_chunk` is the
+session's start (reference image and prompt) and chunk 0's stages, which set the first
+frames' time. --no-just-in-time and --no-stream-decode measure the session without
 each (both off: each step's speech taken when the pipeline asks for it, the chunk decoded
 whole, so the take runs as far ahead of playback as the queues and the pacer's slack hold).
 
@@ -106,8 +113,11 @@ class Feeder:
     over all speech pushed) and the clock when it was pushed."""
 
     def __init__(self, session: LiveSession, speech: torch.Tensor, sample_rate: int,
-                 frame_s: float = FEED_FRAME_S, clock=time.monotonic):
-        self.session, self.speech, self.clock = session, speech, clock
+                 frame_s: float = FEED_FRAME_S, clock=time.monotonic, silent_s: float = 0.0):
+        """`silent_s`: frames of silence fed first (then the speech, looped)."""
+        self.session, self.clock = session, clock
+        self.silent = round(silent_s * sample_rate)
+        self.speech = torch.cat([speech.new_zeros(self.silent), speech])
         self.frame = round(frame_s * sample_rate)
         self.frame_s = frame_s
         self.ends: list[int] = []  # sample index just past each frame
@@ -128,10 +138,11 @@ class Feeder:
             wait = self.t0 + k * self.frame_s - self.clock()
             if wait > 0:
                 self.stop.wait(wait)
-            start = pushed % n
+            start = pushed if pushed < n else self.silent + (pushed - n) % (n - self.silent)
             part = self.speech[start: start + self.frame]
-            if part.numel() < self.frame:  # wrap around the loop
-                part = torch.cat([part, self.speech[: self.frame - part.numel()]])
+            if part.numel() < self.frame:  # wrap around the loop (the speech, not the lead-in)
+                loop = self.speech[self.silent:]
+                part = torch.cat([part, loop[: self.frame - part.numel()]])
             self.times.append(self.clock())
             self.session.say(part)
             pushed += part.numel()
@@ -195,7 +206,7 @@ def step_frame_starts(worker: Worker, steps: int) -> list[int]:
 
 def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
                  slack: int = 2, seed: int = 0, just_in_time: bool = True,
-                 stream_decode: bool = True) -> dict:
+                 stream_decode: bool = True, silent_s: float = 0.0) -> dict:
     """One paced live session of warmup + chunks steps with speech fed in real time; the
     per-chunk latencies (seconds) and their parts, the first frames' time, and the
     session's own metrics."""
@@ -211,13 +222,14 @@ def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
     session = LiveSession(worker, sink, slack=slack, metrics=metrics, seed=seed,
                           just_in_time=just_in_time, stream_decode=stream_decode)
     session.speech = takes = TakeLog()
-    feeder = Feeder(session, speech, spec.side.sample_rate)
+    feeder = Feeder(session, speech, spec.side.sample_rate, silent_s=silent_s)
     g = torch.Generator().manual_seed(seed)
     image = torch.rand((3, spec.out_h, spec.out_w), generator=g)
     # a perf_counter time (the pipeline's StepTimes) on the pacer's clock
     offset = time.monotonic() - time.perf_counter()
     t0 = feeder.start()
     session.start(image)
+    started_s = time.monotonic() - t0  # the reference image and prompt encoded
     budget = starts[steps] / spec.fps + SESSION_MARGIN_S
     done = wait_until(lambda: len(published) >= starts[steps], budget)
     times = session.pipeline.times
@@ -250,6 +262,10 @@ def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
             row |= {"last_audio_t": arrived - t0, "latency_s": first - arrived,
                     "parts_s": {p: edges[j + 1] - edges[j] for j, p in enumerate(PARTS)}}
         rows.append(row)
+    first_chunk = {"start_s": started_s} | {
+        name: 1e3 * (b - a) for name, (a, b) in (
+            ("audio_ms", times.audio[0]), ("diffusion_ms", times.diffusion[0]),
+            ("decode_to_first_frames_ms", decoded[0]))}
     latencies = [r["latency_s"] for r in rows if "latency_s" in r]
     parts = {p: stats_ms([r["parts_s"][p] for r in rows if "parts_s" in r]) for p in PARTS}
     # how many chunks of playback a take runs ahead of its first frame: the steps in flight
@@ -262,7 +278,7 @@ def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
             "dropped_ms": 1e3 * sum(r["dropped_samples"] for r in rows) / spec.side.sample_rate,
             "take_to_first_frame_chunks_p50": ahead,
             "latency_ms": stats_ms(latencies), "parts_ms": parts,
-            "first_frames_s": published[0] - t0,
+            "first_frames_s": published[0] - t0, "first_chunk": first_chunk,
             "speech_latency_ms": stats_ms(metrics.all_latencies),
             "stalls": len(session.pacer.playout.stalls),
             "stall_s": sum(s for _, s in session.pacer.playout.stalls),
@@ -314,6 +330,18 @@ def measure_decode(worker: Worker, reps: int = DECODE_REPS, seed: int = 0) -> di
     return {"first_latent": stats_ms(one), "whole_chunk": stats_ms(whole)}
 
 
+def measure_estimate(worker: Worker, speech: torch.Tensor, seed: int = 0) -> float:
+    """A steady step's processing time as a GPU worker measures it at ready
+    (Worker.time_processing), for a worker that did not: a short render first brings its
+    session to the steady point."""
+    g = torch.Generator().manual_seed(seed)
+    spec = worker.spec
+    worker.start(torch.rand((3, spec.out_h, spec.out_w), generator=g), "")
+    worker.run(speech, spec.sink_chunks + spec.window_chunks + 1, lambda i, frames: None,
+               seed=seed)
+    return worker.time_processing(seed)
+
+
 def engine_summary(engine: Engine, worker: Worker) -> dict:
     cfg = engine.config
     return {"target": engine.target.name, "gpu": engine.target.gpu, "preset": cfg.model.name,
@@ -329,7 +357,7 @@ def engine_summary(engine: Engine, worker: Worker) -> dict:
 def run(engine_dir: Path, chunks: int, warmup: int | None = None, slack: int = 2,
         unpaced: int = UNPACED_CHUNKS, decode_reps: int = DECODE_REPS,
         audio: Path | None = None, seed: int = 0, just_in_time: bool = True,
-        stream_decode: bool = True) -> dict:
+        stream_decode: bool = True, estimate: bool = True, silent_s: float = 0.0) -> dict:
     """Load the engine as charrun does, then measure; the results document."""
     t = time.perf_counter()
     engine = Engine.load(engine_dir)
@@ -339,9 +367,14 @@ def run(engine_dir: Path, chunks: int, warmup: int | None = None, slack: int = 2
     if warmup is None:
         warmup = spec.sink_chunks + spec.window_chunks
     speech = speech_signal(audio, spec.side.sample_rate)
+    at_ready = worker.processing_s is not None
     try:
+        if not estimate:
+            worker.processing_s = None
+        elif not at_ready:
+            worker.processing_s = measure_estimate(worker, speech, seed)
         live = measure_live(worker, speech, chunks, warmup, slack, seed, just_in_time,
-                            stream_decode)
+                            stream_decode, silent_s)
         stages = measure_unpaced(worker, speech, unpaced, seed) if unpaced else {}
         decode = measure_decode(worker, decode_reps, seed) if decode_reps else {}
     finally:
@@ -350,10 +383,14 @@ def run(engine_dir: Path, chunks: int, warmup: int | None = None, slack: int = 2
         "preset": spec.name, "engine": engine_summary(engine, worker),
         "date": time.strftime("%Y-%m-%d"),
         "latency_p50_ms": live["latency_ms"]["p50"], "latency_p90_ms": live["latency_ms"]["p90"],
-        "first_frames_s": live["first_frames_s"], "ready_s": ready_s,
+        "first_frames_s": live["first_frames_s"], "first_chunk": live["first_chunk"],
+        "ready_s": ready_s,
         "chunks": live["chunks"], "chunks_with_speech": live["chunks_with_speech"],
         "warmup_chunks": warmup, "slack": slack, "feed_frame_ms": 1e3 * FEED_FRAME_S,
         "just_in_time": just_in_time, "stream_decode": stream_decode,
+        "processing_estimate_s": worker.processing_s,
+        "estimate_measured": ("at ready" if at_ready else "by the script") if estimate
+        else None, "speech_after_s": silent_s,
         "audio": str(audio) if audio else "synthetic formant speech",
         "latency_ms": live["latency_ms"], "latency_parts_ms": live["parts_ms"],
         "take_to_first_frame_chunks_p50": live["take_to_first_frame_chunks_p50"],
@@ -385,13 +422,20 @@ def main():
                     help="take each step's speech when the pipeline asks for it")
     ap.add_argument("--no-stream-decode", dest="stream_decode", action="store_false",
                     help="hand each chunk's frames to the pacer whole")
-    ap.add_argument("--out", type=Path, help="default: docs/results/livetalk/"
-                    "latency_<preset>_<gpu or cpu>[_no-jit][_no-stream]_<date>.json")
+    ap.add_argument("--no-estimate", dest="estimate", action="store_false",
+                    help="the first deadlines from the first step's processing time")
+    ap.add_argument("--speech-after", type=float, default=0.0, metavar="S",
+                    help="seconds of silent frames fed before the speech")
+    ap.add_argument("--out", type=Path, help="default: docs/results/livetalk/latency_<preset>_"
+                    "<gpu or cpu>[_no-jit][_no-stream][_no-estimate][_after-S]_<date>.json")
     args = ap.parse_args()
     doc = run(args.engine, args.chunks, args.warmup, args.slack, args.unpaced,
-              args.decode_reps, args.audio, args.seed, args.just_in_time, args.stream_decode)
+              args.decode_reps, args.audio, args.seed, args.just_in_time, args.stream_decode,
+              args.estimate, args.speech_after)
     gpu = doc["engine"]["gpu"] or "cpu"
     arm = ("" if args.just_in_time else "_no-jit") + ("" if args.stream_decode else "_no-stream")
+    arm += ("" if args.estimate else "_no-estimate") + \
+        (f"_after-{args.speech_after:g}" if args.speech_after else "")
     out = args.out or RESULTS / f"latency_{doc['preset']}_{gpu.lower()}{arm}_{doc['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -177,13 +177,83 @@ def test_livetalk_frames_reach_the_pacer_latent_by_latent_as_the_whole_chunk(liv
         assert times.first_piece[k][1] < times.sink[k][0] < times.decode[k][1]
 
 
-def test_only_leading_silence_is_dropped_from_the_speech_buffer():
+def test_pauses_are_shortened_and_speech_is_kept_whole():
+    """Silence runs in the first `within` queued samples are cut to `keep` each, earliest
+    first and no more than asked; loud samples, the order of everything kept and what lies
+    past `within` are untouched, and arrival marks keep their samples."""
+    loud = torch.full((100,), 0.5)
     b = SpeechBuffer()
-    b.push(torch.zeros(300))
-    b.push(torch.cat([torch.zeros(50), torch.full((100,), 0.5), torch.zeros(200)]))
-    assert b.drop_silence(1000) == 350  # up to the first loud sample, across chunks
-    assert (b.taken, b.dropped, b.queued()) == (350, 350, 300)
-    assert b.drop_silence(1000) == 0
-    heard, voiced, _, _ = b.take(100)
-    assert voiced and torch.equal(heard, torch.full((100,), 0.5))
-    assert b.drop_silence(150) == 150 and b.queued() == 50  # at most what was asked
+    b.push(torch.zeros(300))  # a pause at the front: marked (arrived to an empty buffer)
+    b.push(torch.cat([torch.zeros(50), loud, torch.zeros(200), loud * 2]))
+    b.push(torch.zeros(400))  # past `within`: left alone
+    assert b.marks == [(0, b.marks[0][1])]
+    assert b.shorten_pauses(1000, within=750, keep=20) == 330 + 180
+    assert (b.taken, b.dropped, b.queued()) == (510, 510, 1150 - 510)
+    heard, voiced, _, marks = b.take(20 + 100 + 20 + 100 + 400)
+    want = torch.cat([torch.zeros(20), loud, torch.zeros(20), loud * 2, torch.zeros(400)])
+    assert voiced and torch.equal(heard, want)
+    assert [k for k, _ in marks] == [0]  # the pause's kept start is where speech began
+    b.push(torch.cat([torch.zeros(300), loud]))
+    assert b.shorten_pauses(150, within=400, keep=20) == 150 and b.queued() == 250
+    assert b.shorten_pauses(1000, within=10, keep=20) == 0  # no run longer than keep there
+    heard, *_ = b.take(250)
+    assert torch.equal(heard, torch.cat([torch.zeros(150), loud]))
+
+
+def test_a_steady_estimate_lets_the_second_step_wait_for_its_speech(livetalk):
+    """Speech from the session's first moment: with the first step's processing time (the
+    longer) the second step's deadline comes before its speech and it is taken short (the
+    rest queues behind it); with a steady step's estimate the second step waits for all of
+    it."""
+    def second_take(estimate):
+        published = []
+        s = LiveSession(livetalk, lambda f, a, t, v: published.append(t),
+                        processing_estimate=estimate)
+        s.speech = takes = TakeTimes()
+        first = []
+        take = takes.take
+
+        def recorded(n):
+            out = take(n)
+            first.append(out[0].abs().gt(0).sum().item())
+            return out
+
+        takes.take = recorded
+        stop = threading.Event()
+        feeder = threading.Thread(target=_feed, args=(s, torch.randn(16000 * 10) * 0.1 + 0.5,
+                                                     stop))
+        feeder.start()
+        s.start(torch.rand(3, livetalk.spec.out_h, livetalk.spec.out_w))
+        assert wait_until(lambda: len(first) >= 3, 30)
+        s.stop()
+        stop.set()
+        feeder.join()
+        assert s.error is None
+        return first[1], s.take_size(1)
+
+    assert livetalk.processing_s is None  # a CPU worker does not warm up
+    short, size = second_take(None)
+    whole, _ = second_take(0.1)
+    assert short < size and whole == size, (short, whole, size)
+
+
+@pytest.mark.parametrize("which", ["worker", "livetalk"])
+def test_timing_a_steady_step_leaves_the_next_session_unchanged(which, request):
+    """Worker.time_processing on a session at its steady point (as the GPU warm-up leaves
+    it) gives a positive time, and the next session's frames are those it would have been."""
+    w = request.getfixturevalue(which)
+    g = torch.Generator().manual_seed(3)
+    image = torch.rand(3, w.spec.out_h, w.spec.out_w, generator=g)
+    speech = 0.1 * torch.randn(16000 * 2, generator=g)
+
+    def frames():
+        out = []
+        w.start(image, "")
+        w.run(speech, 3, lambda i, f: out.append(f))
+        return torch.cat(out)
+
+    before = frames()
+    w.start(image, "")
+    w.run(speech, 8, lambda i, f: None)  # past the cache's filling: the steady point
+    assert w.time_processing() > 0
+    assert torch.equal(frames(), before)

@@ -44,6 +44,12 @@ def test_latency_per_chunk_is_measured_for_each_chunk(engine_dir):
     assert doc["latency_ms"]["min"] <= doc["latency_p50_ms"] <= doc["latency_p90_ms"]
     # the first frame follows the session's start, before any measured chunk's frame
     assert 0 < doc["first_frames_s"] < rows[0]["first_frame_t"]
+    first = doc["first_chunk"]  # its session start and stages come before its first frames
+    assert 0 < first["start_s"] and all(first[k] > 0 for k in (
+        "audio_ms", "diffusion_ms", "decode_to_first_frames_ms"))
+    assert first["start_s"] + 1e-3 * first["diffusion_ms"] < doc["first_frames_s"]
+    # a CPU worker does not warm up: the script measures the steady estimate itself
+    assert doc["estimate_measured"] == "by the script" and doc["processing_estimate_s"] > 0
     assert doc["ready_s"] > 0
     for stage in ("audio", "diffusion", "decode"):
         assert doc["unpaced_stage_ms"][stage]["p50"] > 0

@@ -75,7 +75,7 @@ class LiveTalk(FamilyModules):
     def random_weights(self, spec, seed: int, device="cpu"):
         from .weights import random_weights
 
-        return random_weights(spec, seed)
+        return random_weights(spec, seed, device=device)
 
     def bake_tables(self, cfg, state):
         from .rank import bake_tables
@@ -145,6 +145,9 @@ class LiveTalk(FamilyModules):
         from .audio import chunk_features
 
         return chunk_features(spec.audio, side.audio_encoder, window, k)
+
+    def decode_pieces(self, side, latent):
+        return side.decoder.per_latent(latent)
 
     def lookahead_samples(self, spec) -> int:
         a = spec.audio
