@@ -37,11 +37,10 @@ from charengine.assemble import rank_session
 from charengine.config import preset
 from charengine.family import family
 from charengine.livetalk.spec import ARMS, arm_config, waterfall_arms, waterfall_config
-from charengine.livetalk.weights import block_linears, param_shapes, random_tensor
+from charengine.livetalk.weights import device_random_weights
 from charengine.mapping import Mapping
 from charengine.timing import Span, median
 
-CHECKPOINT_DTYPE = torch.bfloat16  # random_weights' precision (a released checkpoint's)
 MS_PER_S = 1000.0
 
 
@@ -70,25 +69,6 @@ def all_arms() -> tuple[str, ...]:
 def arm_cfg(cfg, arm: str):
     """cfg as `arm` runs it: a benchmark arm of spec.ARMS or a waterfall arm."""
     return arm_config(cfg, arm) if arm in ARMS else waterfall_config(cfg, arm)
-
-
-def random_weights_on(spec, seed: int, device) -> dict[str, torch.Tensor]:
-    """A random checkpoint of the preset's shapes (bf16) with its block linears drawn on
-    `device`, from one generator there, each scaled by 1/sqrt(fan_in) as
-    weights.random_tensor scales a linear's weight; the other tensors (norms, embeddings,
-    modulation: a few million values) from weights.random_tensor. weights.random_weights
-    draws all 1.4B values on the host, which takes tens of seconds at full size."""
-    device = torch.device(device)
-    linears = {f"{n}.weight" for n in block_linears(spec)}
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for name, shape in param_shapes(spec).items():
-        if name in linears:
-            t = torch.randn(shape, generator=g, device=device) / shape[1] ** 0.5
-            out[name] = t.to(CHECKPOINT_DTYPE)
-        else:
-            out[name] = random_tensor(name, shape, seed, CHECKPOINT_DTYPE).to(device)
-    return out
 
 
 def first_timed(cfg) -> int:
@@ -123,7 +103,7 @@ def load(args):
     device = torch.device(args.device)
     mapping = Mapping.single(args.device)
     with torch.inference_mode():
-        full = random_weights_on(cfg.model, args.seed, device)
+        full = device_random_weights(cfg.model, args.seed, device)
         state = fam.rank_state(cfg, full)
         tables = fam.bake_tables(cfg, full)
         del full

@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -41,11 +40,9 @@ from charengine.config import Numerics, preset
 from charengine.engine_format import this_machine
 from charengine.family import family
 from charengine.livetalk.spec import FP8_CACHE, LiveTalkSwitches
-from charengine.livetalk.weights import block_linears
+from charengine.livetalk.weights import block_linears, device_random_weights
 from charengine.mapping import Mapping
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # also where the path is safe
-from livetalk_long_session import random_weights_on  # noqa: E402  scripts/, beside this one
 
 REFERENCE, CONTROL, PRODUCTION = "fp32_plain", "production_again", "production"
 ARMS = (REFERENCE, "bf16_plain", "bf16", "fp8_gemm", "fp8_kv", "fused", PRODUCTION, CONTROL)
@@ -146,7 +143,7 @@ def main():
     lat, walls = {}, {}
     with torch.inference_mode():
         t0 = time.perf_counter()
-        full = random_weights_on(spec, args.seed, device)
+        full = device_random_weights(spec, args.seed, device)
         full_dq = dequantized(spec, full)
         weights_s = time.perf_counter() - t0
         for arm in [REFERENCE, *arms]:
