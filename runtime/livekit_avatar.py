@@ -16,10 +16,10 @@ LiveKit avatar behind a voice agent.
   and LIVEKIT_API_SECRET, joins each dispatched room with `DataStreamAudioReceiver` and an
   `AvatarRunner`, serves one session at a time (`AvatarJobs`) and reports itself fully
   loaded while it streams, so the server's dispatch spreads sessions over the fleet. Its
-  readiness (runtime/probes.py) reads ready once LiveKit has registered it and busy in a
-  job; SIGTERM tells LiveKit it takes no more jobs, lets the job in progress go on within
-  --grace-period, then ends it: the turn playing reported interrupted to the agent, the
-  avatar leaving the room.
+  readiness (runtime/probes.py) reads ready once LiveKit has registered it, busy in a job,
+  and loading again while its connection to LiveKit is down (it reconnects); SIGTERM tells
+  LiveKit it takes no more jobs, lets the job in progress go on within --grace-period, then
+  ends it: the turn playing reported interrupted to the agent, the avatar leaving the room.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ AGENT_NAME = "charengine-avatar"
 LOAD_THRESHOLD = 0.5  # the load (1.0 in a job, else 0.0) above which LiveKit sends no job
 NOTIFY_FLUSH_S = 0.2  # lets the agent's interrupted-playback message leave before the avatar
 CLAIM_TIMEOUT_S = 15.0  # an accepted job LiveKit never assigned frees the worker after this
+CONNECTION_POLL_S = 0.25  # how often the LiveKit connection's state is read for /readyz
 
 
 class LiveKitSetupError(RuntimeError):
@@ -329,6 +330,31 @@ class AvatarJobs:
             job[0].call_soon_threadsafe(job[1].set)
 
 
+def connecting(server: AgentServer) -> bool:
+    """Whether the agent server is (re)connecting to LiveKit rather than registered there.
+    livekit-agents gives an event for each registration (`worker_registered`) but none for a
+    dropped connection, after which it reconnects on its own: its `_connecting` flag is set
+    from the start of each connection attempt to the register response (the dropped
+    connection test in tests/test_probes.py holds this to the library installed)."""
+    return bool(server._connecting)
+
+
+async def watch_connection(server: AgentServer, readiness: Readiness, registered: asyncio.Event,
+                           drain: Drain) -> None:
+    """While the worker runs: once LiveKit has registered it (`registered`, set on each
+    registration), a dropped connection reads loading on /readyz (LiveKit can send no job
+    meanwhile) until the next registration reads ready again."""
+    while not drain.begun:
+        await registered.wait()
+        await asyncio.sleep(CONNECTION_POLL_S)
+        if registered.is_set() and connecting(server) and not drain.begun:
+            registered.clear()
+            log.warning("the connection to the LiveKit server at %s dropped: reconnecting",
+                        os.environ["LIVEKIT_URL"])
+            readiness.loading(f"the connection to the LiveKit server at "
+                              f"{os.environ['LIVEKIT_URL']} dropped: reconnecting")
+
+
 async def _worker_main(jobs: AvatarJobs, opts: WorkerOptions, readiness: Readiness,
                        drain: Drain) -> None:
     """Run the LiveKit worker until SIGTERM or SIGINT, then drain (runtime/lifecycle.py):
@@ -352,12 +378,19 @@ async def _worker_main(jobs: AvatarJobs, opts: WorkerOptions, readiness: Readine
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    server.on("worker_registered", lambda *_: readiness.ready(jobs.busy))
+    registered = asyncio.Event()
+
+    def on_registered(*_) -> None:
+        readiness.ready(jobs.busy)
+        registered.set()
+
+    server.on("worker_registered", on_registered)
     readiness.loading(f"registering with the LiveKit server at {os.environ['LIVEKIT_URL']}")
     run = asyncio.ensure_future(server.run())
     woken = asyncio.ensure_future(wake.wait())
     ranks = asyncio.ensure_future(keep_ranks(jobs.worker, readiness, jobs.lock, jobs.busy,
                                              drain))
+    watch = asyncio.ensure_future(watch_connection(server, readiness, registered, drain))
     try:
         await asyncio.wait([run, woken], return_when=asyncio.FIRST_COMPLETED)
         if run.done():
@@ -374,7 +407,8 @@ async def _worker_main(jobs: AvatarJobs, opts: WorkerOptions, readiness: Readine
     finally:
         woken.cancel()
         ranks.cancel()
-        await asyncio.gather(ranks, return_exceptions=True)
+        watch.cancel()
+        await asyncio.gather(ranks, watch, return_exceptions=True)
         await server.aclose()
         if not run.done():
             run.cancel()

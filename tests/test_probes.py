@@ -349,6 +349,8 @@ class LiveKitWorkerService:
         self.messages: list = []
         self.ws = None
         self.registered = asyncio.Event()
+        self.refusing = False  # connections refused (503) while set: the service is down
+        self.registrations: list[float] = []
         self.port = free_port()
         self.url = f"ws://127.0.0.1:{self.port}"
 
@@ -367,6 +369,8 @@ class LiveKitWorkerService:
         from aiohttp import WSMsgType
         from livekit.protocol import agent, models
 
+        if self.refusing:
+            return self.web.Response(status=503, text="down")
         ws = self.web.WebSocketResponse()
         await ws.prepare(request)
         self.ws = ws
@@ -381,6 +385,7 @@ class LiveKitWorkerService:
                 await ws.send_bytes(agent.ServerMessage(register=agent.RegisterWorkerResponse(
                     worker_id="W-test", server_info=models.ServerInfo())).SerializeToString())
                 self.t_registered = time.monotonic()
+                self.registrations.append(self.t_registered)
                 self.registered.set()
             elif which == "availability" and m.availability.available:
                 await ws.send_bytes(agent.ServerMessage(assignment=agent.JobAssignment(
@@ -393,6 +398,11 @@ class LiveKitWorkerService:
         async for _ in ws:
             pass
         return ws
+
+    async def drop(self) -> None:
+        """The service goes down: the worker's connection is closed, new ones refused."""
+        self.refusing = True
+        await self.ws.close()
 
     async def offer_job(self, job_id: str):
         from livekit.protocol import agent, models
@@ -455,6 +465,40 @@ def test_livekit_worker_probes_registration_a_job_and_a_sigterm_that_drains_it(e
     jobs = [m.status for _, m in lk.said("update_job") if m.job_id == "J-1"]
     assert jobs[-1] == agent.JobStatus.JS_SUCCESS, jobs
     assert "Traceback" not in c.output, c.output
+
+
+def test_a_dropped_livekit_connection_reads_loading_until_the_worker_registers_again(engines):
+    """The LiveKit service goes down after registering the worker: /readyz reads loading
+    (LiveKit can dispatch nothing meanwhile), saying why, while the worker keeps trying; once
+    the service is back the worker registers again and reads ready."""
+    pytest.importorskip("livekit.agents")
+
+    async def scenario():
+        lk = LiveKitWorkerService()
+        await lk.start()
+        env = {**os.environ, "LIVEKIT_URL": lk.url, "LIVEKIT_API_KEY": "key",
+               "LIVEKIT_API_SECRET": "s" * 32}
+        c = Charrun("--engine", str(engines["tiny"]), "--livekit", env=env)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, c.watch_start)
+            await lk.drop()
+            down = await loop.run_in_executor(None, lambda: c.watch_start(until="loading"))
+            await asyncio.sleep(1.0)
+            still = c.probe("/readyz")
+            lk.refusing = False
+            back = await loop.run_in_executor(None, c.watch_start)
+            code, _ = await loop.run_in_executor(None, c.sigterm)
+            return down, still, back, code, lk, c
+        finally:
+            c.kill()
+            await lk.stop()
+
+    down, still, back, code, lk, c = asyncio.run(scenario())
+    assert down[-1][2] == 503 and "dropped: reconnecting" in down[-1][3]["detail"], down
+    assert still[0] == 503 and still[1]["state"] == "loading", still  # not ready while down
+    assert back[-1][2] == 200 and len(lk.registrations) == 2, (back, lk.registrations)
+    assert code == 0 and "Traceback" not in c.output, c.output
 
 
 def test_the_avatar_job_that_a_drain_ends_tells_the_agent_its_turn_was_interrupted(engines):
