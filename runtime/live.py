@@ -60,10 +60,9 @@ PROCESSING_WINDOW = 64
 DEADLINE_MARGIN_FRAMES = 0.5  # frame times between a step's first frames and its slot
 WAIT_POLL_S = 0.05  # a take waiting for its speech looks at its deadline at least this often
 # speech complete this many frame times before its deadline plays that much later than it
-# could: the pauses in it are shortened until it is RESYNC_KEEP_FRAMES early
+# could: leading silence is dropped from the buffer until it is RESYNC_KEEP_FRAMES early
 RESYNC_LEAD_FRAMES = 2.0
 RESYNC_KEEP_FRAMES = 1.0
-PAUSE_KEEP_S = 0.1  # a shortened pause keeps this much of its silence (a word's gap stays)
 SILENCE_LEVEL = 1e-3  # samples at most this loud (about -60 dBFS) are silence that may be dropped
 
 
@@ -78,7 +77,7 @@ class SpeechBuffer:
         self.chunks: list[torch.Tensor | None] = []
         self.pushed = 0  # samples pushed so far
         self.taken = 0  # samples taken (or cleared, or dropped) so far
-        self.dropped = 0  # silence dropped so far (shorten_pauses)
+        self.dropped = 0  # leading silence dropped so far (drop_silence)
         self.marks: list[tuple[int, float]] = []  # (sample index, arrival time)
 
     def push(self, samples: torch.Tensor) -> None:
@@ -107,48 +106,25 @@ class SpeechBuffer:
         with self.lock:
             self.arrived.notify_all()
 
-    def shorten_pauses(self, most: int, within: int, keep: int,
-                       level: float = SILENCE_LEVEL) -> int:
-        """Drop up to `most` samples of silence (none louder than `level`) from the first
-        `within` samples queued (up to a turn's end): each run of silence there is shortened,
-        earliest first, to no less than `keep` samples (its first ones stay), and the speech
-        around it is kept whole. Returns how many were dropped."""
+    def drop_silence(self, most: int, level: float = SILENCE_LEVEL) -> int:
+        """Drop up to `most` samples of silence (none louder than `level`) from the front,
+        up to the first louder sample or a turn's end; returns how many."""
         with self.lock:
-            head, have = [], 0
-            while self.chunks and self.chunks[0] is not None and have < within:
-                head.append(self.chunks.pop(0))
-                have += head[-1].numel()
-            x = torch.cat(head) if head else torch.zeros(0)
-            quiet = (x[:within].abs() <= level).to(torch.int8)
-            edges = torch.diff(quiet, prepend=quiet.new_zeros(1), append=quiet.new_zeros(1))
-            runs = zip((edges == 1).nonzero().flatten().tolist(),
-                       (edges == -1).nonzero().flatten().tolist())
-            kept = torch.ones(x.numel(), dtype=torch.bool)
             dropped = 0
-            for a, b in runs:
-                cut = min(b - a - keep, most - dropped)
-                if cut > 0:
-                    kept[a + keep:a + keep + cut] = False
-                    dropped += cut
-                if dropped >= most:
-                    break
-            if x.numel():
-                self.chunks.insert(0, x[kept] if dropped else x)
-            if dropped:
-                # arrival marks: a mark in a dropped run goes, one before the first cut keeps
-                # its place in the queue (taken moves past what was dropped)
-                before = torch.cumsum((~kept).to(torch.int64), 0)
-
-                def moved(i: int) -> int | None:
-                    q = i - self.taken  # its place in the queue before the drop
-                    if q >= x.numel():
-                        return i
-                    return i + dropped - int(before[q]) if kept[q] else None
-
-                self.marks = [(m, t) for m, t in ((moved(i), t) for i, t in self.marks)
-                              if m is not None]
-                self.taken += dropped
-                self.dropped += dropped
+            while self.chunks and self.chunks[0] is not None and dropped < most:
+                c = self.chunks[0][: most - dropped]
+                loud = (c.abs() > level).nonzero()
+                k = int(loud[0]) if loud.numel() else c.numel()
+                dropped += k
+                if k < self.chunks[0].numel():
+                    self.chunks[0] = self.chunks[0][k:]
+                    if loud.numel():
+                        break
+                else:
+                    self.chunks.pop(0)
+            self.taken += dropped
+            self.dropped += dropped
+            self.marks = [(i, t) for i, t in self.marks if i >= self.taken]
             return dropped
 
     def queued(self) -> int:
@@ -369,8 +345,8 @@ class LiveSession:
         """Until step i's speech has arrived or its deadline has come (the audio thread).
         Live speech (arriving as it is taken: no more than a frame's worth queued past the
         take) complete well before its deadline plays later than it needs to (the phase a
-        session's start or a slow step left): the pauses in it are shortened and the wait
-        goes on, so the latency comes back to the processing time at the speech's pauses."""
+        session's start or a slow step left): its leading silence is dropped and the wait
+        goes on, so the latency comes back to the processing time in a pause."""
         n = self.take_size(i)
         sample_rate = self.spec.side.sample_rate
         while not self.pipeline.stop.is_set():
@@ -384,8 +360,7 @@ class LiveSession:
                 if self.speech.queued() - n > sample_rate / self.spec.fps:
                     return  # not speech arriving live (an uploaded clip): all of it plays
                 excess = lead - RESYNC_KEEP_FRAMES / self.spec.fps
-                if not self.speech.shorten_pauses(int(excess * sample_rate), n,
-                                                  int(PAUSE_KEEP_S * sample_rate)):
+                if not self.speech.drop_silence(int(excess * sample_rate)):
                     return
         raise Stopped
 

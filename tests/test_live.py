@@ -177,27 +177,16 @@ def test_livetalk_frames_reach_the_pacer_latent_by_latent_as_the_whole_chunk(liv
         assert times.first_piece[k][1] < times.sink[k][0] < times.decode[k][1]
 
 
-def test_pauses_are_shortened_and_speech_is_kept_whole():
-    """Silence runs in the first `within` queued samples are cut to `keep` each, earliest
-    first and no more than asked; loud samples, the order of everything kept and what lies
-    past `within` are untouched, and arrival marks keep their samples."""
-    loud = torch.full((100,), 0.5)
+def test_only_leading_silence_is_dropped_from_the_speech_buffer():
     b = SpeechBuffer()
-    b.push(torch.zeros(300))  # a pause at the front: marked (arrived to an empty buffer)
-    b.push(torch.cat([torch.zeros(50), loud, torch.zeros(200), loud * 2]))
-    b.push(torch.zeros(400))  # past `within`: left alone
-    assert b.marks == [(0, b.marks[0][1])]
-    assert b.shorten_pauses(1000, within=750, keep=20) == 330 + 180
-    assert (b.taken, b.dropped, b.queued()) == (510, 510, 1150 - 510)
-    heard, voiced, _, marks = b.take(20 + 100 + 20 + 100 + 400)
-    want = torch.cat([torch.zeros(20), loud, torch.zeros(20), loud * 2, torch.zeros(400)])
-    assert voiced and torch.equal(heard, want)
-    assert [k for k, _ in marks] == [0]  # the pause's kept start is where speech began
-    b.push(torch.cat([torch.zeros(300), loud]))
-    assert b.shorten_pauses(150, within=400, keep=20) == 150 and b.queued() == 250
-    assert b.shorten_pauses(1000, within=10, keep=20) == 0  # no run longer than keep there
-    heard, *_ = b.take(250)
-    assert torch.equal(heard, torch.cat([torch.zeros(150), loud]))
+    b.push(torch.zeros(300))
+    b.push(torch.cat([torch.zeros(50), torch.full((100,), 0.5), torch.zeros(200)]))
+    assert b.drop_silence(1000) == 350  # up to the first loud sample, across chunks
+    assert (b.taken, b.dropped, b.queued()) == (350, 350, 300)
+    assert b.drop_silence(1000) == 0
+    heard, voiced, _, _ = b.take(100)
+    assert voiced and torch.equal(heard, torch.full((100,), 0.5))
+    assert b.drop_silence(150) == 150 and b.queued() == 50  # at most what was asked
 
 
 def test_a_steady_estimate_lets_the_second_step_wait_for_its_speech(livetalk):
