@@ -52,7 +52,8 @@ chunk's where it is decoded whole), handing over to the sink, and the sink's wai
 pacer (its backpressure and the frames queued ahead of it, then the slot). Chunks before
 --warmup (default: the sink and the window filled) are run and left out. Unpaced, the same
 worker runs --unpaced chunks through Worker.run (the render path) for each stage's own
-time, and the decoder is timed on one latent of a chunk against the whole chunk.
+time and the end-to-end `capacity_fps` (frames a second reaching the sink over the steady
+chunks), and the decoder is timed on one latent of a chunk against the whole chunk.
 
     python scripts/livetalk_latency.py --engine /tmp/tiny-livetalk --chunks 20
     python scripts/livetalk_latency.py --engine /path/to/h200-livetalk \\
@@ -287,16 +288,26 @@ def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
 
 def measure_unpaced(worker: Worker, speech: torch.Tensor, chunks: int, seed: int = 0) -> dict:
     """Each pipeline stage's time per chunk with nothing paced (Worker.run, the render
-    path), the first chunk and the sink's start left out."""
+    path), the chunks that fill the window left out; and the end-to-end capacity: video
+    frames a second reaching the sink over the steady chunks (`capacity_fps`), with the
+    period between chunks at the sink."""
     g = torch.Generator().manual_seed(seed)
     spec = worker.spec
     worker.start(torch.rand((3, spec.out_h, spec.out_w), generator=g), "")
-    times = worker.run(speech, chunks, lambda i, frames: None, seed=seed)
-    skip = min(worker.spec.sink_chunks + worker.spec.window_chunks, chunks - 1)
+    sunk: list[tuple[float, int]] = []  # (when a chunk's frames reached the sink, frames)
+    times = worker.run(speech, chunks,
+                       lambda i, frames: sunk.append((time.perf_counter(), frames.shape[0])),
+                       seed=seed)
+    skip = max(0, min(worker.spec.sink_chunks + worker.spec.window_chunks, chunks - 2))
     out = {}
     for name in ("audio", "diffusion", "decode"):
         spans = getattr(times, name)[skip:]
         out[name] = stats_ms([b - a for a, b in spans])
+    steady = sunk[skip:]
+    frames = sum(n for _, n in steady[1:])
+    out["capacity_fps"] = frames / (steady[-1][0] - steady[0][0]) if frames else None
+    out["period_ms"] = stats_ms([b[0] - a[0] for a, b in zip(steady, steady[1:])])
+    out["capacity_chunks"] = len(steady) - 1
     return out
 
 
@@ -383,6 +394,7 @@ def run(engine_dir: Path, chunks: int, warmup: int | None = None, slack: int = 2
         "preset": spec.name, "engine": engine_summary(engine, worker),
         "date": time.strftime("%Y-%m-%d"),
         "latency_p50_ms": live["latency_ms"]["p50"], "latency_p90_ms": live["latency_ms"]["p90"],
+        "capacity_fps": stages.get("capacity_fps"),
         "first_frames_s": live["first_frames_s"], "first_chunk": live["first_chunk"],
         "ready_s": ready_s,
         "chunks": live["chunks"], "chunks_with_speech": live["chunks_with_speech"],

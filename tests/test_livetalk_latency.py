@@ -53,6 +53,9 @@ def test_latency_per_chunk_is_measured_for_each_chunk(engine_dir):
     assert doc["ready_s"] > 0
     for stage in ("audio", "diffusion", "decode"):
         assert doc["unpaced_stage_ms"][stage]["p50"] > 0
+    # unpaced, a chunk's 12 frames reach the sink once a period
+    unpaced = doc["unpaced_stage_ms"]
+    assert doc["capacity_fps"] == pytest.approx(12e3 / unpaced["period_ms"]["p50"])
     assert 0 < doc["decode_ms"]["first_latent"]["p50"]
     assert doc["engine"]["target"] == "cpu-tiny-livetalk"
     # just in time: a take runs less than a chunk ahead of its first frame, and the latency
