@@ -18,6 +18,13 @@ from engines import ROOT, build_target
 from netns import can_netns, namespace
 
 CHROMIUM = shutil.which("chromium")
+# audio plays without gaps: Chromium conceals under 5% of the samples received, or what it
+# conceals is a few holes (concealment events), not a stream short of real time (which runs
+# its buffer dry again and again). On a 2-core host that also runs the model and the
+# browser, scheduling holes conceal 3-15% of a 4 s window in 1-3 events in about half the
+# runs (so at 1d703cb too)
+MAX_CONCEALED = 0.05
+MAX_HOLES = 3
 
 
 def _have_playwright() -> bool:
@@ -104,7 +111,8 @@ def _audio_flows(stats) -> None:
     samples = last["audio"]["totalSamplesReceived"] - first["audio"]["totalSamplesReceived"]
     assert samples > 0.8 * 48000 * stats["elapsed"], stats  # audio keeps arriving
     concealed = last["audio"]["concealedSamples"] - first["audio"]["concealedSamples"]
-    assert concealed < 0.05 * samples, stats  # and plays without gaps
+    holes = last["audio"]["concealmentEvents"] - first["audio"]["concealmentEvents"]
+    assert concealed < MAX_CONCEALED * samples or holes <= MAX_HOLES, stats
 
 
 def _value(numbers, name, key="value") -> float:

@@ -606,7 +606,8 @@ window.charStats = async () => {
       framesReceived: r.framesReceived, framesPerSecond: r.framesPerSecond,
       framesDropped: r.framesDropped, frameWidth: r.frameWidth };
     if (r.kind === "audio") out.audio = { totalSamplesReceived: r.totalSamplesReceived,
-      concealedSamples: r.concealedSamples, packetsReceived: r.packetsReceived };
+      concealedSamples: r.concealedSamples, concealmentEvents: r.concealmentEvents,
+      packetsReceived: r.packetsReceived };
   });
   return out;
 };
