@@ -8,6 +8,7 @@ protocol, over a WebSocket on loopback: no LiveKit server can run here); the ava
 a job runs against the loopback rooms of tests/livekit_loopback.py."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -399,6 +400,12 @@ class LiveKitWorkerService:
             pass
         return ws
 
+    def charrun(self, engine) -> "Charrun":
+        """charrun --livekit on `engine`, pointed at this service."""
+        env = {**os.environ, "LIVEKIT_URL": self.url, "LIVEKIT_API_KEY": "key",
+               "LIVEKIT_API_SECRET": "s" * 32}
+        return Charrun("--engine", str(engine), "--livekit", env=env)
+
     async def drop(self) -> None:
         """The service goes down: the worker's connection is closed, new ones refused."""
         self.refusing = True
@@ -417,6 +424,19 @@ class LiveKitWorkerService:
         return [(t, m) for t, w, m in self.messages if w == which]
 
 
+@contextlib.asynccontextmanager
+async def livekit_charrun(engine):
+    """A LiveKitWorkerService and charrun --livekit pointed at it, both stopped on leaving."""
+    lk = LiveKitWorkerService()
+    await lk.start()
+    c = lk.charrun(engine)
+    try:
+        yield lk, c
+    finally:
+        c.kill()
+        await lk.stop()
+
+
 def test_livekit_worker_probes_registration_a_job_and_a_sigterm_that_drains_it(engines):
     """charrun --livekit: loading until LiveKit has registered the worker, then ready; busy
     (and load 1.0, full, to LiveKit) with a job; SIGTERM: draining, LiveKit told the worker
@@ -426,13 +446,8 @@ def test_livekit_worker_probes_registration_a_job_and_a_sigterm_that_drains_it(e
     from livekit.protocol import agent
 
     async def scenario():
-        lk = LiveKitWorkerService()
-        await lk.start()
-        env = {**os.environ, "LIVEKIT_URL": lk.url, "LIVEKIT_API_KEY": "key",
-               "LIVEKIT_API_SECRET": "s" * 32}
-        c = Charrun("--engine", str(engines["tiny"]), "--livekit", env=env)
-        loop = asyncio.get_running_loop()
-        try:
+        async with livekit_charrun(engines["tiny"]) as (lk, c):
+            loop = asyncio.get_running_loop()
             seen = await loop.run_in_executor(None, c.watch_start)
             assert lk.registered.is_set()
             await lk.offer_job("J-1")
@@ -444,9 +459,6 @@ def test_livekit_worker_probes_registration_a_job_and_a_sigterm_that_drains_it(e
             draining = c.probe("/readyz")
             code = await loop.run_in_executor(None, c.p.wait, 30)
             return seen, busy, draining, code, time.monotonic() - t_term, t_term, lk, c
-        finally:
-            c.kill()
-            await lk.stop()
 
     seen, busy, draining, code, exited, t_term, lk, c = asyncio.run(scenario())
     order = states(seen)
@@ -474,13 +486,8 @@ def test_a_dropped_livekit_connection_reads_loading_until_the_worker_registers_a
     pytest.importorskip("livekit.agents")
 
     async def scenario():
-        lk = LiveKitWorkerService()
-        await lk.start()
-        env = {**os.environ, "LIVEKIT_URL": lk.url, "LIVEKIT_API_KEY": "key",
-               "LIVEKIT_API_SECRET": "s" * 32}
-        c = Charrun("--engine", str(engines["tiny"]), "--livekit", env=env)
-        loop = asyncio.get_running_loop()
-        try:
+        async with livekit_charrun(engines["tiny"]) as (lk, c):
+            loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, c.watch_start)
             await lk.drop()
             down = await loop.run_in_executor(None, lambda: c.watch_start(until="loading"))
@@ -490,9 +497,6 @@ def test_a_dropped_livekit_connection_reads_loading_until_the_worker_registers_a
             back = await loop.run_in_executor(None, c.watch_start)
             code, _ = await loop.run_in_executor(None, c.sigterm)
             return down, still, back, code, lk, c
-        finally:
-            c.kill()
-            await lk.stop()
 
     down, still, back, code, lk, c = asyncio.run(scenario())
     assert down[-1][2] == 503 and "dropped: reconnecting" in down[-1][3]["detail"], down
