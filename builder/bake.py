@@ -50,14 +50,12 @@ def compile_exchange(cfg, state: dict) -> None:
     push, then each rank's reduction, at the steady shape."""
     from charengine.plugins import gemm_allreduce as gar
 
-    spec = cfg.model
-    fused = getattr(cfg.switches, "fused_gemm_allreduce", False)  # a family may have none
-    if not (cfg.tp > 1 and fused and cfg.numerics.fp8_gemm):
+    fused = family_of(cfg).fused_allreduce(cfg)
+    if not (cfg.tp > 1 and fused is not None and cfg.numerics.fp8_gemm):
         return
-    w_q, w_s = state["blocks.0.w_out.q"], state["blocks.0.w_out.scale"]
-    a_q, a_s = fp8.quantize_rows(torch.randn(spec.tokens_per_frame, w_q.shape[1],
-                                             device=w_q.device))
-    ranks = gar.Exchange.local(cfg.tp, spec.tokens_per_frame, spec.dim, w_q.device)
+    w_q, w_s = state[f"{fused.linear}.q"], state[f"{fused.linear}.scale"]
+    a_q, a_s = fp8.quantize_rows(torch.randn(fused.m, w_q.shape[1], device=w_q.device))
+    ranks = gar.Exchange.local(cfg.tp, fused.m, fused.n, w_q.device)
     for x in ranks:
         gar.gemm_push(x, a_q, a_s, w_q, w_s)
     for x in ranks:

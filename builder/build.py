@@ -64,7 +64,7 @@ def uses_quack(cfg, warm) -> dict | None:
     quack-kernels version its objects were compiled with (charrun needs the same), else
     None."""
     planned = any(c.startswith("quack") for w in warm for c in w["gemm_plan"].values())
-    if not (planned or (getattr(cfg.switches, "gemm_swiglu", False) and cfg.numerics.fp8_gemm)):
+    if not (planned or family_of(cfg).quack_epilogues(cfg)):
         return None
     from importlib.metadata import version
 

@@ -55,6 +55,17 @@ class GemmProblem:
     fast_accum: bool | None = None
 
 
+@dataclass(frozen=True)
+class FusedAllReduce:
+    """A TP rank's GEMM whose output is all-reduced in the same kernel (a family's
+    `fused_allreduce`): the linear it computes (its engine tensors `<linear>.q` and
+    `<linear>.scale`) and the steady shape of its output, m rows of n."""
+
+    linear: str
+    m: int
+    n: int
+
+
 # Name prefixes of a causal cache's tensors in an exported graph: a conv's past input frames
 # going in, the frames it keeps for the next call coming out (followed by the module's path).
 PAST, PRESENT = "past.", "present."
@@ -166,6 +177,12 @@ class Family(Protocol):
         """A step's latent as the decoder calls a live session hands on one by one (None:
         decoded whole)."""
 
+    def fused_allreduce(self, cfg) -> FusedAllReduce | None:
+        """The GEMM + all-reduce the config fuses on a TP group, None where it has none."""
+
+    def quack_epilogues(self, cfg) -> bool:
+        """Whether the config runs QuACK's fused GEMM epilogues whatever the GEMM plan says."""
+
 
 class FamilyModules:
     """The members every family delegates to its own modules the same way (its package's
@@ -199,6 +216,12 @@ class FamilyModules:
         """A step's latent as the decoder's successive calls, in order, whose frames a live
         session hands on as each is decoded; None where the decoder takes a step whole."""
         return None
+
+    def fused_allreduce(self, cfg) -> FusedAllReduce | None:
+        return None
+
+    def quack_epilogues(self, cfg) -> bool:
+        return False
 
     def onnx_graphs(self, spec, side) -> list[OnnxGraph]:
         return self._module("onnx_graphs").onnx_graphs(spec, side)

@@ -66,9 +66,10 @@ def fused_exchange(cfg, mapping: Mapping, peer_devices: list[str]):
     from charengine.plugins import gemm_allreduce
 
     device = mapping.torch_device
-    if not getattr(cfg.switches, "fused_gemm_allreduce", False):  # a family without the fusion
+    fused = family_of(cfg).fused_allreduce(cfg)
+    if fused is None:
         return None
-    steady = (cfg.model.tokens_per_frame, cfg.model.dim)
+    steady = (fused.m, fused.n)
     symmetric = gemm_allreduce.symmetric_memory_available(device, peer_devices)
     if not gemm_allreduce.use_fused(device, mapping.tp, steady, steady, symmetric):
         return None

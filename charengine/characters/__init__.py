@@ -50,6 +50,17 @@ class Characters(FamilyModules):
     def encode_audio(self, side, spec, window, k: int):
         return side.audio_encoder(window)
 
+    def fused_allreduce(self, cfg):
+        """The output projection's GEMM with its all-reduce (plugins/gemm_allreduce.py)."""
+        from ..family import FusedAllReduce
+
+        if not cfg.switches.fused_gemm_allreduce:
+            return None
+        return FusedAllReduce("blocks.0.w_out", cfg.model.tokens_per_frame, cfg.model.dim)
+
+    def quack_epilogues(self, cfg) -> bool:
+        return cfg.switches.gemm_swiglu and cfg.numerics.fp8_gemm
+
     def lookahead_samples(self, spec) -> int:
         return 0
 
