@@ -349,10 +349,10 @@ async def watch_connection(server: AgentServer, readiness: Readiness, registered
         await asyncio.sleep(CONNECTION_POLL_S)
         if registered.is_set() and connecting(server) and not drain.begun:
             registered.clear()
-            log.warning("the connection to the LiveKit server at %s dropped: reconnecting",
-                        os.environ["LIVEKIT_URL"])
-            readiness.loading(f"the connection to the LiveKit server at "
-                              f"{os.environ['LIVEKIT_URL']} dropped: reconnecting")
+            why = (f"the connection to the LiveKit server at {os.environ['LIVEKIT_URL']} "
+                   "dropped: reconnecting")
+            log.warning(why)
+            readiness.loading(why)
 
 
 async def _worker_main(jobs: AvatarJobs, opts: WorkerOptions, readiness: Readiness,

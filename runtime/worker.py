@@ -170,20 +170,29 @@ class Worker:
             self.spec, torch.zeros(self.family.window_samples(self.spec)), 1)
         noise = torch.randn(shapes.noise_shape, generator=g)
 
-        def decode(latent):
+        def first_piece(latent):
             pieces = self.family.decode_pieces(self.side, latent) or (latent,)
-            return self.on_side_stream(
-                lambda x: self.side.decoder(x.to(self.decoder_device)).cpu(), pieces[0])
+            return self._decode(pieces[0])
 
         self.side.decoder.reset()
-        decode(torch.randn(shapes.latent, generator=g))  # a session's first call decodes more
+        first_piece(torch.randn(shapes.latent, generator=g))  # a session's first decodes more
         t0 = time.perf_counter()
-        feats = self.on_side_stream(lambda x: self.family.encode_audio(
-            self.side, self.spec, x.to(self.decoder_device), 1), window)
-        decode(self.session.step(noise.to(self.device), feats.to(self.device)))
+        feats = self._encode_window(window, 1)
+        first_piece(self.session.step(noise.to(self.device), feats.to(self.device)))
         took = time.perf_counter() - t0
         self.side.decoder.reset()
         return took
+
+    def _encode_window(self, window: torch.Tensor, i: int) -> torch.Tensor:
+        """Step i's audio features from its encoder window, on the side stream."""
+        return self.on_side_stream(lambda x: self.family.encode_audio(
+            self.side, self.spec, x.to(self.decoder_device), i), window)
+
+    def _decode(self, latent: torch.Tensor, after=None) -> torch.Tensor:
+        """The decoder's frames of `latent` on the host, decoded on the side stream after
+        the event `after` (on_side_stream)."""
+        return self.on_side_stream(
+            lambda x: self.side.decoder(x.to(self.decoder_device)).cpu(), latent, after=after)
 
     @property
     def compiles(self) -> int:
@@ -223,8 +232,7 @@ class Worker:
 
         def decode(item):
             latent, done = item
-            return self.on_side_stream(
-                lambda x: self.side.decoder(x.to(self.decoder_device)).cpu(), latent, after=done)
+            return self._decode(latent, after=done)
 
         # a decoder that streams latent by latent (LiveTalk's) gives a live session each
         # latent's frames as they are decoded; another decodes each step whole
@@ -244,8 +252,7 @@ class Worker:
         """Generate `steps` latents for `speech` (16 kHz mono) and hand each step's frames to
         `sink(i, frames)`."""
         def encode_audio(i):
-            w = self.family.audio_window(self.spec, speech, i)  # on the host: no wait
-            return self.on_side_stream(lambda x: self.family.encode_audio(
-                self.side, self.spec, x.to(self.decoder_device), i), w)
+            # the window cut on the host: no wait
+            return self._encode_window(self.family.audio_window(self.spec, speech, i), i)
 
         return self.pipeline(encode_audio, seed).run(steps, sink)

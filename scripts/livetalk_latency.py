@@ -32,8 +32,8 @@ and each latent's frames go to the pacer as they are decoded, so the latency is 
 processing time and the margin, not queues. `take_to_first_frame_chunks_p50` says how far
 ahead of its first frame a take runs, in chunks; `chunks_taken_whole` counts the takes that
 found all their speech (the rest were taken at the deadline, the missing speech padded with
-silence: `padded_ms`); `dropped_ms` is the silence cut from the speech's pauses to bring a
-late phase back (runtime/live.py). The deadlines before a session's own steps are measured
+silence: `padded_ms`); `dropped_ms` is the leading silence dropped to bring a late phase
+back (runtime/live.py). The deadlines before a session's own steps are measured
 use the worker's measure of a steady step's processing time (`Worker.time_processing`, at
 ready on a GPU; a CPU worker does not warm up, so here the script measures it the same way
 after a short render: `processing_estimate_s`); --no-estimate leaves them the first step's.
