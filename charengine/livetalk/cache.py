@@ -78,6 +78,16 @@ class ChunkCache:
             return c * self.F
         return self.F * (self.S + 1 + (c - self.S - 1) % self.R)
 
+    def first_steady(self) -> int:
+        """The first chunk of the steady shape: the window full and, with fp8_kv, the FP8
+        cache in use; the chunks before it fill the cache (and give the calibration)."""
+        full = self.S + self.W - 1
+        return max(full, self.cfg.cache.calibration_chunks) if self.fp8_kv else full
+
+    def quantized_at(self, c: int) -> bool:
+        """Chunk c reads and writes the FP8 cache (the calibration ran before it)."""
+        return self.fp8_kv and c >= self.cfg.cache.calibration_chunks
+
     def is_reset(self, c: int) -> bool:
         """Chunk c starts with the delta rotation of the cached window keys."""
         return self.reset_on and c > self.S + 1 and (c - self.S - 1) % self.R == 0
@@ -113,16 +123,18 @@ class ChunkCache:
         return (self.k8, self.v8.transpose(2, 3)) if self.quantized else (self.k, self.v)
 
     def delta_rotate(self) -> None:
-        """Turn every cached window key back by reset_period chunks of positions."""
+        """Turn every cached window key back by reset_period chunks of positions, one block
+        at a time (the fp32 temporaries are one block's window, not every block's)."""
         delta = -float(self.R * self.F)
         lo = self.sink_slots
-        if self.quantized:
-            ks = self.scale[:, 0]
-            k = self.k8[:, :, lo:].float() * ks
-            rot = rotate_temporal(k, self.rope.omega_t, delta)
-            self.k8[:, :, lo:] = fp8.quantize(rot, ks)
-        else:
-            self.k[:, :, lo:] = rotate_temporal(self.k[:, :, lo:], self.rope.omega_t, delta)
+        for b in range(self.spec.n_blocks):
+            if self.quantized:
+                ks = self.scale[b, 0]
+                k = self.k8[b, :, lo:].float() * ks
+                rot = rotate_temporal(k, self.rope.omega_t, delta)
+                self.k8[b, :, lo:] = fp8.quantize(rot, ks)
+            else:
+                self.k[b, :, lo:] = rotate_temporal(self.k[b, :, lo:], self.rope.omega_t, delta)
 
     def end_chunk(self) -> None:
         self.chunk += 1
@@ -158,11 +170,13 @@ class ChunkCache:
         return k8[:, :n], v8[:, :n], ks, vs
 
     def calibrate(self, n: int) -> None:
-        """Set the FP8 scales from the first n slots of every block and quantize them."""
-        amax = torch.stack([self.k[:, :, :n].float().abs().amax(dim=(2, 3)),
-                            self.v[:, :, :n].float().abs().amax(dim=(2, 3))], dim=1)
+        """Set the FP8 scales from the first n slots of every block and quantize them, one
+        block at a time (the fp32 temporaries are one block's, not the whole cache's)."""
         margin = self.cfg.cache.scale_margin
-        self.scale.copy_((amax.clamp_min(fp8.TINY) * margin / fp8.FP8_MAX)[..., None, None])
-        self.k8.copy_(fp8.quantize(self.k, self.scale[:, 0]))
-        self.v8.copy_(fp8.quantize(self.v, self.scale[:, 1]).transpose(2, 3))
+        for b in range(self.spec.n_blocks):
+            amax = torch.stack([self.k[b, :, :n].float().abs().amax(dim=(1, 2)),
+                                self.v[b, :, :n].float().abs().amax(dim=(1, 2))])
+            self.scale[b].copy_((amax.clamp_min(fp8.TINY) * margin / fp8.FP8_MAX)[..., None, None])
+            self.k8[b].copy_(fp8.quantize(self.k[b], self.scale[b, 0]))
+            self.v8[b].copy_(fp8.quantize(self.v[b], self.scale[b, 1]).transpose(1, 2))
         self.quantized = True
