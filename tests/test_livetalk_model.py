@@ -162,9 +162,10 @@ def test_checkpoint_mismatches_are_one_line_naming_the_tensor(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_graphed_chunks_replay_what_eager_chunks_compute_on_a_gpu(fp8):
-    """tiny-livetalk on the GPU: the steady and reset chunks replayed from CUDA graphs
-    captured in a warm-up session against a new session stepped eagerly, 14 chunks (four
-    resets): the graphs read this session's reference, prompt and caches."""
+    """tiny-livetalk on the GPU: every chunk (those that fill the cache, the steady and the
+    reset ones) replayed from CUDA graphs captured in a warm-up session against a new
+    session stepped eagerly, 14 chunks (four resets): the graphs read this session's
+    reference, prompt and caches."""
     sw = LiveTalkSwitches() if fp8 else FAST_FP32
     nm = Numerics(dtype="bfloat16") if fp8 else Numerics(dtype="bfloat16", fp8_gemm=False,
                                                          fp8_attention=False)
@@ -183,7 +184,8 @@ def test_graphed_chunks_replay_what_eager_chunks_compute_on_a_gpu(fp8):
             outs[graphed] = [o.cpu() for o in rollout(s, [(n.cuda(), a.cuda())
                                                           for n, a in inputs(TINY, 14)])]
         if graphed:
-            assert s.step_fn.ready()
+            fill = set(range(s.cache.first_steady()))
+            assert set(s.step_fn.graphs) == fill | {"steady", "reset"} and fill
     for a, b in zip(outs[False], outs[True]):
         assert torch.equal(a, b)
 
@@ -239,3 +241,44 @@ def test_the_gemm_problems_are_timed_as_the_model_accumulates(fast):
     probs = FAM.gemm_problems(cfg, state, Mapping.single("cpu"))
     assert set(probs) == {"qkv", "attn", "ffn_up", "ffn_down"}
     assert all(p.fast_accum is fast for p in probs.values())
+
+
+def test_the_cache_calibrates_and_rotates_block_by_block_as_the_whole_cache_at_once():
+    """The FP8 calibration and the delta rotation run one block at a time (so their fp32
+    temporaries are one block's): the scales, the FP8 cache and the rotated keys equal the
+    same math over every block at once."""
+    from charengine import fp8
+    from charengine.livetalk.cache import ChunkCache
+    from charengine.livetalk.rope import rotate_temporal
+
+    cfg = EngineConfig(model=TINY, switches=LiveTalkSwitches(), numerics=Numerics())
+    cache = ChunkCache(cfg, "cpu", torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    # blocks and heads of different ranges, so a scale from the wrong one shows
+    spread = torch.logspace(-1, 1, TINY.n_blocks * TINY.n_heads).view(TINY.n_blocks,
+                                                                     TINY.n_heads, 1, 1)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g) * spread)
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g) * spread.flip(0))
+    n = cache.valid_slots(cfg.cache.calibration_chunks - 1)
+    cache.calibrate(n)
+    amax = torch.stack([cache.k[:, :, :n].float().abs().amax(dim=(2, 3)),
+                        cache.v[:, :, :n].float().abs().amax(dim=(2, 3))], dim=1)
+    scale = (amax.clamp_min(fp8.TINY) * cfg.cache.scale_margin / fp8.FP8_MAX)[..., None, None]
+    assert torch.equal(cache.scale, scale) and cache.quantized
+    assert torch.equal(cache.k8.float(), fp8.quantize(cache.k, scale[:, 0]).float())
+    assert torch.equal(cache.v8.float(),
+                       fp8.quantize(cache.v, scale[:, 1]).transpose(2, 3).float())
+
+    lo, delta = cache.sink_slots, -float(cache.R * cache.F)
+    k8 = cache.k8.clone()
+    cache.delta_rotate()
+    rot = rotate_temporal(k8[:, :, lo:].float() * scale[:, 0], cache.rope.omega_t, delta)
+    assert torch.equal(cache.k8[:, :, lo:].float(), fp8.quantize(rot, scale[:, 0]).float())
+    assert torch.equal(cache.k8[:, :, :lo], k8[:, :, :lo])  # the sink stays
+
+    cache.quantized = False  # the bf16 cache's rotation (the chunks before the calibration)
+    k = cache.k.clone()
+    cache.delta_rotate()
+    assert torch.equal(cache.k[:, :, lo:],
+                       rotate_temporal(k[:, :, lo:], cache.rope.omega_t, delta))
+    assert not torch.equal(cache.k[:, :, lo:], k[:, :, lo:])

@@ -247,10 +247,15 @@ class LiveTalkSwitches:
     fused_gelu_quant: bool = True  # the FFN's GELU and its per-token quantization, one kernel
     fused_q_norm: bool = True  # the cross-attention's q RMS norm in one kernel, not six ops
     skip_commit_tail: bool = True  # the commit pass stops after the last block's K/V
+    # with the ring cache: the chunks before the steady one (those that fill the cache, and
+    # the FP8 calibration's) replay CUDA graphs too, one per chunk, not eager launches: a
+    # session's first frames and the deadlines its first steps set come at graph speed
+    graph_fill_chunks: bool = True
 
     ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
              "fp8_kv", "fused_qkv", "fused_act_quant", "gemm_bias", "fused_pre_attention",
-             "fused_residual", "fused_gelu_quant", "fused_q_norm", "skip_commit_tail")
+             "fused_residual", "fused_gelu_quant", "fused_q_norm", "skip_commit_tail",
+             "graph_fill_chunks")
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":
