@@ -469,7 +469,11 @@ class RemotePipeline(Pipeline):
         return latent
 
     def _decode(self, latent: torch.Tensor) -> torch.Tensor:
-        return self.worker.side.decoder(latent.to(self.worker.decoder_device)).cpu()
+        """The step's frames; where the decoder streams, from its pieces' calls (the shapes
+        the side networks' warm-up ran), as Worker.pipeline's render decodes them."""
+        w = self.worker
+        pieces = w.family.decode_pieces(w.side, latent) or (latent,)
+        return torch.cat([w.side.decoder(p.to(w.decoder_device)).cpu() for p in pieces])
 
     def run(self, steps, sink) -> StepTimes:
         w = self.worker

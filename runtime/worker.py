@@ -230,12 +230,10 @@ class Worker:
             done.record()  # the decoder waits for this step only, not for the next one's work
             return latent, done
 
-        def decode(item):
-            latent, done = item
-            return self._decode(latent, after=done)
-
         # a decoder that streams latent by latent (LiveTalk's) gives a live session each
-        # latent's frames as they are decoded; another decodes each step whole
+        # latent's frames as they are decoded, and a render the frames of those same calls
+        # together (its memory is one piece's, and warm-up runs the pieces' shapes alone);
+        # another decodes each step whole
         latent_shape = self.family.step_shapes(self.spec).latent
         streams = self.family.decode_pieces(
             self.side, torch.empty(latent_shape, device="meta")) is not None
@@ -243,7 +241,13 @@ class Worker:
         def decode_pieces(item):
             latent, done = item
             for part in self.family.decode_pieces(self.side, latent):
-                yield decode((part, done))
+                yield self._decode(part, after=done)
+
+        def decode(item):
+            if streams:
+                return torch.cat(list(decode_pieces(item)))
+            latent, done = item
+            return self._decode(latent, after=done)
 
         return Pipeline(encode_audio, diffuse, decode,
                         decode_pieces=decode_pieces if streams else None)

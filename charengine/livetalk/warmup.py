@@ -72,11 +72,8 @@ def warm_up_side(side, spec, device: torch.device) -> None:
             audio.chunk_features(spec.audio, side.audio_encoder, window, k)
         z = torch.zeros(spec.latent_channels, spec.chunk_frames, spec.latent_h, spec.latent_w,
                         device=device)
-        # the shapes a session decodes: whole chunks (renders) and a live session's pieces
-        # (StreamingDecoder.per_latent: the first two latents together, then one at a time)
-        side.decoder.reset()
-        side.decoder(z)
-        side.decoder(z)
+        # the shapes a session decodes, live or rendered: StreamingDecoder.per_latent's
+        # pieces (the first two latents together, then one at a time)
         side.decoder.reset()
         for chunk in range(2):
             for piece in side.decoder.per_latent(z):
