@@ -1,8 +1,9 @@
 """LiveTalk's GPU memory, where it lies: a Worker made as charrun makes it (Engine.load, then
 the Worker's load, warm-up and graph capture), then at ready the memory allocated and its
-peak so far, what the DiT session's tensors, its K/V caches (bf16 and FP8) and the side
-networks' tensors hold, and the peak a decoder call adds on top (a session's first piece, two
-latents, and a steady piece, one latent; each the largest of --reps calls).
+peak so far, what the DiT session's tensors, its K/V stores (the cache in the model's dtype
+and the FP8 cache, apart or shared) and the side networks' tensors hold, and the peak a
+decoder call adds on top (a session's first piece, two latents, and a steady piece, one
+latent; each the largest of --reps calls).
 
     python scripts/livetalk_memory.py --engine /path/to/h200-livetalk \\
         --out docs/results/livetalk/memory_livetalk-1.3b_h200.json
@@ -93,8 +94,14 @@ def main() -> int:
     dev = worker.device
     torch.cuda.synchronize(dev)
     session, cache = worker.session, worker.session.cache
-    kv = {"bf16": tensors_mb([cache.k, cache.v]),
-          "fp8": tensors_mb([getattr(cache, "k8", None), getattr(cache, "v8", None)])}
+    # the cache in the model's dtype (the calibration chunks') and the FP8 cache; with
+    # shared_kv_stores the second lies in the first's buffers
+    kv = {"model_dtype": tensors_mb([cache.k, cache.v]),
+          "fp8": tensors_mb([getattr(cache, "k8", None), getattr(cache, "v8", None)]),
+          "stores": tensors_mb([cache.k, cache.v, getattr(cache, "k8", None),
+                                getattr(cache, "v8", None)]),
+          "shared": getattr(cache, "shared", False), "wide_slots": cache.wide_slots,
+          "slots": cache.slots}
     dit = tensors_mb([session.model, cache])
     out = {
         "preset": engine.config.model.name,

@@ -38,7 +38,7 @@ LABELS = {WATERFALL_PLAIN: "Plain (bf16)", "baked_adaln": "+AdaLN tables",
           "gemm_bias": "+Bias in GEMM", "fused_pre_attention": "+Fused pre-attn.",
           "fused_residual": "+Fused residual", "fused_gelu_quant": "+Fused GELU quant",
           "fused_q_norm": "+Fused q norm", "skip_commit_tail": "+Skip commit tail",
-          "graph_fill_chunks": "+Graphed fill chunks",
+          "graph_fill_chunks": "+Graphed fill chunks", "shared_kv_stores": "+Shared K/V stores",
           WATERFALL_PRODUCTION: "+Fast accum. = production"}
 STATS = ("diffusion_p50_ms", "diffusion_p90_ms", "reset_chunk_p50_ms", "memory_peak_mb",
          "setup_s", "wall_s")

@@ -245,40 +245,79 @@ def test_the_gemm_problems_are_timed_as_the_model_accumulates(fast):
 
 def test_the_cache_calibrates_and_rotates_block_by_block_as_the_whole_cache_at_once():
     """The FP8 calibration and the delta rotation run one block at a time (so their fp32
-    temporaries are one block's): the scales, the FP8 cache and the rotated keys equal the
-    same math over every block at once."""
+    temporaries are one block's), over stores shared or apart: the scales, the FP8 cache
+    and the rotated keys equal the same math over every block at once."""
     from charengine import fp8
     from charengine.livetalk.cache import ChunkCache
     from charengine.livetalk.rope import rotate_temporal
 
-    cfg = EngineConfig(model=TINY, switches=LiveTalkSwitches(), numerics=Numerics())
-    cache = ChunkCache(cfg, "cpu", torch.bfloat16)
-    g = torch.Generator().manual_seed(3)
-    # blocks and heads of different ranges, so a scale from the wrong one shows
-    spread = torch.logspace(-1, 1, TINY.n_blocks * TINY.n_heads).view(TINY.n_blocks,
-                                                                     TINY.n_heads, 1, 1)
-    cache.k.copy_(torch.randn(cache.k.shape, generator=g) * spread)
-    cache.v.copy_(torch.randn(cache.v.shape, generator=g) * spread.flip(0))
-    n = cache.valid_slots(cfg.cache.calibration_chunks - 1)
-    cache.calibrate(n)
-    amax = torch.stack([cache.k[:, :, :n].float().abs().amax(dim=(2, 3)),
-                        cache.v[:, :, :n].float().abs().amax(dim=(2, 3))], dim=1)
-    scale = (amax.clamp_min(fp8.TINY) * cfg.cache.scale_margin / fp8.FP8_MAX)[..., None, None]
-    assert torch.equal(cache.scale, scale) and cache.quantized
-    assert torch.equal(cache.k8.float(), fp8.quantize(cache.k, scale[:, 0]).float())
-    assert torch.equal(cache.v8.float(),
-                       fp8.quantize(cache.v, scale[:, 1]).transpose(2, 3).float())
+    for shared in (True, False):
+        sw = dataclasses.replace(LiveTalkSwitches(), shared_kv_stores=shared)
+        cfg = EngineConfig(model=TINY, switches=sw, numerics=Numerics())
+        cache = ChunkCache(cfg, "cpu", torch.bfloat16)
+        assert cache.shared == shared
+        g = torch.Generator().manual_seed(3)
+        # blocks and heads of different ranges, so a scale from the wrong one shows
+        spread = torch.logspace(-1, 1, TINY.n_blocks * TINY.n_heads).view(
+            TINY.n_blocks, TINY.n_heads, 1, 1)
+        cache.k.copy_(torch.randn(cache.k.shape, generator=g) * spread)
+        cache.v.copy_(torch.randn(cache.v.shape, generator=g) * spread.flip(0))
+        k, v = cache.k.clone(), cache.v.clone()
+        n, w = cache.valid_slots(cfg.cache.calibration_chunks - 1), cache.wide_slots
+        cache.calibrate(n)
+        amax = torch.stack([k[:, :, :n].float().abs().amax(dim=(2, 3)),
+                            v[:, :, :n].float().abs().amax(dim=(2, 3))], dim=1)
+        scale = (amax.clamp_min(fp8.TINY) * cfg.cache.scale_margin / fp8.FP8_MAX)[..., None, None]
+        assert torch.equal(cache.scale, scale) and cache.quantized
+        assert torch.equal(cache.k8[:, :, :w].float(), fp8.quantize(k, scale[:, 0]).float())
+        assert torch.equal(cache.v8[:, :, :, :w].float(),
+                           fp8.quantize(v, scale[:, 1]).transpose(2, 3).float())
 
-    lo, delta = cache.sink_slots, -float(cache.R * cache.F)
-    k8 = cache.k8.clone()
-    cache.delta_rotate()
-    rot = rotate_temporal(k8[:, :, lo:].float() * scale[:, 0], cache.rope.omega_t, delta)
-    assert torch.equal(cache.k8[:, :, lo:].float(), fp8.quantize(rot, scale[:, 0]).float())
-    assert torch.equal(cache.k8[:, :, :lo], k8[:, :, :lo])  # the sink stays
+        lo, delta = cache.sink_slots, -float(cache.R * cache.F)
+        k8 = cache.k8.clone()
+        cache.delta_rotate()
+        # (the slots past the calibration's are written before any chunk reads them: with
+        # shared stores they hold the wide cache's bytes until then)
+        rot = rotate_temporal(k8[:, :, lo:w].float() * scale[:, 0], cache.rope.omega_t, delta)
+        assert torch.equal(cache.k8[:, :, lo:w].float(), fp8.quantize(rot, scale[:, 0]).float())
+        assert torch.equal(cache.k8[:, :, :lo], k8[:, :, :lo])  # the sink stays
 
-    cache.quantized = False  # the bf16 cache's rotation (the chunks before the calibration)
+    # the rotation of the cache in the model's dtype (the chunks before the calibration)
+    cache = ChunkCache(EngineConfig(model=TINY, switches=LiveTalkSwitches(),
+                                    numerics=Numerics()), "cpu", torch.bfloat16)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     k = cache.k.clone()
     cache.delta_rotate()
     assert torch.equal(cache.k[:, :, lo:],
                        rotate_temporal(k[:, :, lo:], cache.rope.omega_t, delta))
     assert not torch.equal(cache.k[:, :, lo:], k[:, :, lo:])
+
+
+def test_shared_kv_stores_hold_less_and_step_the_same_chunks():
+    """With shared_kv_stores the cache in the model's dtype holds only the calibration
+    chunks' slots, in the FP8 cache's bytes: at livetalk-1.3b's shapes the stores hold 2,160
+    MiB against 4,050 apart, tiny-livetalk's storages are what kv_bytes says, and a
+    session's chunks are the same bit for bit, across resets."""
+    from charengine.livetalk.cache import ChunkCache
+
+    apart = dataclasses.replace(LiveTalkSwitches(), shared_kv_stores=False)
+    held = {}
+    for sw in (LiveTalkSwitches(), apart):
+        big = ChunkCache(EngineConfig(model=LIVETALK_1_3B, switches=sw, numerics=Numerics()),
+                         "meta", torch.bfloat16)
+        held[sw.shared_kv_stores] = big.kv_bytes()
+        tiny = ChunkCache(EngineConfig(model=TINY, switches=sw, numerics=Numerics()), "cpu",
+                          torch.bfloat16)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (tiny.k, tiny.v, tiny.k8, tiny.v8)}
+        assert sum(storages.values()) == tiny.kv_bytes()
+        assert len(storages) == (2 if sw.shared_kv_stores else 4)
+    blocks_heads_dim = 30 * 12 * 128
+    assert held == {True: 2 * blocks_heads_dim * 12288 * 2,  # bf16, the calibration's slots
+                    False: 2 * blocks_heads_dim * 15360 * (2 + 1)}  # bf16 and FP8, all slots
+    ins = inputs(TINY, 10)
+    nm = Numerics(dtype="bfloat16")
+    shared = rollout(session(LiveTalkSwitches(), nm), ins)
+    separate = rollout(session(apart, nm), ins)
+    for a, b in zip(shared, separate):
+        assert torch.equal(a, b)

@@ -20,6 +20,8 @@ plugins/attention.py), the keys [blocks, heads, slots, head_dim]."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import fp8
@@ -38,12 +40,33 @@ class ChunkCache:
         self.ring, self.reset_on, self.fp8_kv = sw.ring_cache, sw.position_reset, sw.fp8_kv
         shape = (spec.n_blocks, spec.n_heads, self.slots, spec.head_dim)
         dev = self.device
-        self.k = torch.zeros(shape, dtype=dtype, device=dev)
-        self.v = torch.zeros(shape, dtype=dtype, device=dev)
-        if self.fp8_kv:
+        # shared_kv_stores: the cache in the model's dtype holds only the slots the
+        # calibration chunks write, in the FP8 cache's bytes (where those hold it)
+        calibration_slots = self.valid_slots(cfg.cache.calibration_chunks - 1)
+        self.shared = self.fp8_kv and sw.shared_kv_stores and \
+            self.slots * fp8.FP8.itemsize <= calibration_slots * dtype.itemsize
+        self.wide_slots = calibration_slots if self.shared else self.slots
+        wide = (spec.n_blocks, spec.n_heads, self.wide_slots, spec.head_dim)
+        if self.shared:
+            # one buffer each for k and v: the wide cache the calibration chunks write, and
+            # over the same bytes the FP8 cache that replaces it (calibrate: block b's FP8
+            # bytes lie within blocks 0..b's wide bytes, so the blocks still to quantize
+            # stay intact)
+            stores = [torch.zeros(math.prod(wide) * dtype.itemsize, dtype=torch.uint8,
+                                  device=dev) for _ in range(2)]
+            self.k, self.v = (b.view(dtype).view(wide) for b in stores)
+            n8 = math.prod(shape)
+            self.k8 = stores[0][:n8].view(fp8.FP8).view(shape)
+            self.v8 = stores[1][:n8].view(fp8.FP8).view(  # [blocks, heads, head_dim, slots]
+                spec.n_blocks, spec.n_heads, spec.head_dim, self.slots)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=dev)
+            self.v = torch.zeros(shape, dtype=dtype, device=dev)
+        if self.fp8_kv and not self.shared:
             self.k8 = torch.zeros(shape, dtype=fp8.FP8, device=dev)
             self.v8 = torch.zeros(shape, dtype=fp8.FP8, device=dev).transpose(2, 3) \
                 .contiguous()  # [blocks, heads, head_dim, slots]
+        if self.fp8_kv:
             self.scale = torch.ones(spec.n_blocks, 2, spec.n_heads, 1, 1, device=dev)
         self.quantized = False  # host: the FP8 cache is in use (after calibration)
         self.chunk = torch.zeros((), dtype=torch.long, device=dev)  # chunks committed
@@ -53,6 +76,11 @@ class ChunkCache:
         self.positions = torch.zeros(self.F, dtype=torch.long, device=dev)
         self.rope = ChunkRope(spec, dev)
         self.text_k = self.text_v = None  # [blocks, heads, prompt_tokens, head_dim]
+
+    def kv_bytes(self) -> int:
+        """Bytes the K/V stores hold (shared: the FP8 cache inside the wide one's buffers)."""
+        wide = 2 * self.k.numel() * self.k.element_size()
+        return wide + 2 * self.k8.numel() if self.fp8_kv and not self.shared else wide
 
     def new_session(self) -> None:
         self.chunk.zero_()
@@ -171,12 +199,15 @@ class ChunkCache:
 
     def calibrate(self, n: int) -> None:
         """Set the FP8 scales from the first n slots of every block and quantize them, one
-        block at a time (the fp32 temporaries are one block's, not the whole cache's)."""
+        block at a time (the fp32 temporaries are one block's, not the whole cache's; with
+        shared stores, block b's values are copied out before its FP8 bytes are written)."""
         margin = self.cfg.cache.scale_margin
+        w = self.wide_slots
         for b in range(self.spec.n_blocks):
-            amax = torch.stack([self.k[b, :, :n].float().abs().amax(dim=(1, 2)),
-                                self.v[b, :, :n].float().abs().amax(dim=(1, 2))])
+            k, v = self.k[b].clone(), self.v[b].clone()
+            amax = torch.stack([k[:, :n].float().abs().amax(dim=(1, 2)),
+                                v[:, :n].float().abs().amax(dim=(1, 2))])
             self.scale[b].copy_((amax.clamp_min(fp8.TINY) * margin / fp8.FP8_MAX)[..., None, None])
-            self.k8[b].copy_(fp8.quantize(self.k[b], self.scale[b, 0]))
-            self.v8[b].copy_(fp8.quantize(self.v[b], self.scale[b, 1]).transpose(1, 2))
+            self.k8[b, :, :w].copy_(fp8.quantize(k, self.scale[b, 0]))
+            self.v8[b, :, :, :w].copy_(fp8.quantize(v, self.scale[b, 1]).transpose(1, 2))
         self.quantized = True

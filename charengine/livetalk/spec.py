@@ -251,11 +251,15 @@ class LiveTalkSwitches:
     # the FP8 calibration's) replay CUDA graphs too, one per chunk, not eager launches: a
     # session's first frames and the deadlines its first steps set come at graph speed
     graph_fill_chunks: bool = True
+    # with fp8_kv: the cache the calibration chunks write in the model's dtype holds only
+    # their slots, and lies in the FP8 cache's buffers (replaced block by block at the
+    # calibration), not beside them
+    shared_kv_stores: bool = True
 
     ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
              "fp8_kv", "fused_qkv", "fused_act_quant", "gemm_bias", "fused_pre_attention",
              "fused_residual", "fused_gelu_quant", "fused_q_norm", "skip_commit_tail",
-             "graph_fill_chunks")
+             "graph_fill_chunks", "shared_kv_stores")
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":
