@@ -177,6 +177,11 @@ class Family(Protocol):
         """A step's latent as the decoder calls a live session hands on one by one (None:
         decoded whole)."""
 
+    def steady_from(self, cfg) -> int:
+        """The first step of the steady shape: the steps before it fill the cache and may
+        take longer than a steady one (a live session's deadlines leave their times out
+        once it has measured a steady step)."""
+
     def fused_allreduce(self, cfg) -> FusedAllReduce | None:
         """The GEMM + all-reduce the config fuses on a TP group, None where it has none."""
 
@@ -216,6 +221,9 @@ class FamilyModules:
         """A step's latent as the decoder's successive calls, in order, whose frames a live
         session hands on as each is decoded; None where the decoder takes a step whole."""
         return None
+
+    def steady_from(self, cfg) -> int:
+        return 1  # a session's first step is measured apart
 
     def fused_allreduce(self, cfg) -> FusedAllReduce | None:
         return None

@@ -8,7 +8,9 @@ padded with silence for what has not arrived. Just in time (the default), the ta
 until that speech has arrived (or the turn ended), or until its deadline, whichever comes
 first: the step's play slot (when the frames queued and in flight before it will have
 played) less the session's processing time (take to first frames at the pacer, the most of
-the last `PROCESSING_WINDOW` steps after the first) and a margin. So a silent or stalled
+the last `PROCESSING_WINDOW` steps after the first; once a step of the steady shape has been
+measured, of those alone: `Family.steady_from`, as a LiveTalk session's cache-filling chunks
+take longer) and a margin. So a silent or stalled
 microphone never starves playback, and speech waits in no queue: from a step's last speech
 to its first frame is the processing time and the margin. The first step is taken at once
 (the character shows as soon as it can); until a later step's processing time is known, the
@@ -60,9 +62,10 @@ PROCESSING_WINDOW = 64
 DEADLINE_MARGIN_FRAMES = 0.5  # frame times between a step's first frames and its slot
 WAIT_POLL_S = 0.05  # a take waiting for its speech looks at its deadline at least this often
 # speech complete this many frame times before its deadline plays that much later than it
-# could: leading silence is dropped from the buffer until it is RESYNC_KEEP_FRAMES early
-RESYNC_LEAD_FRAMES = 2.0
-RESYNC_KEEP_FRAMES = 1.0
+# could: leading silence is dropped from the buffer until it is RESYNC_KEEP_FRAMES early (a
+# pause brings the latency back to the processing time, the margin and that much)
+RESYNC_LEAD_FRAMES = 0.5
+RESYNC_KEEP_FRAMES = 0.25
 SILENCE_LEVEL = 1e-3  # samples at most this loud (about -60 dBFS) are silence that may be dropped
 
 
@@ -250,7 +253,12 @@ class LiveSession:
         # just in time: frames of the steps taken (this epoch's, plus what the pacer had
         # started at the last barge-in), each step's processing time, the piece being sunk
         self.frames_committed = 0
-        self.processing: collections.deque[float] = collections.deque(maxlen=PROCESSING_WINDOW)
+        # (step, processing time) of the last steps after the first; once a step of the
+        # steady shape is among them, the deadlines read only those (the cache's filling
+        # steps can take longer)
+        self.processing: collections.deque[tuple[int, float]] = \
+            collections.deque(maxlen=PROCESSING_WINDOW)
+        self.steady_from = self.family.steady_from(worker.cfg)
         self.first_processing: float | None = None  # step 0's (its decode is unlike others')
         self.estimate = processing_estimate if processing_estimate is not None \
             else worker.processing_s
@@ -333,7 +341,8 @@ class LiveSession:
             if not self.processing and self.first_processing is None:
                 return -math.inf if ahead == 0 else math.inf
             if self.processing:
-                processing = max(self.processing)
+                steady = [t for i, t in self.processing if i >= self.steady_from]
+                processing = max(steady or [t for _, t in self.processing])
             else:
                 processing = self.estimate if self.estimate is not None \
                     else self.first_processing
@@ -399,7 +408,7 @@ class LiveSession:
                 if i == 0:
                     self.first_processing = took
                 else:
-                    self.processing.append(took)
+                    self.processing.append((i, took))
             self.speech.wake()  # the next take's deadline moved
             if self.metrics and len(self.pipeline.times.diffusion) > i:
                 t0, t1 = self.pipeline.times.diffusion[i]

@@ -230,3 +230,19 @@ def test_timing_a_steady_step_leaves_the_next_session_unchanged(which, request):
     w.run(speech, 8, lambda i, f: None)  # past the cache's filling: the steady point
     assert w.time_processing() > 0
     assert torch.equal(frames(), before)
+
+
+def test_the_deadlines_read_the_steady_steps_once_one_is_measured(livetalk):
+    """The next take's deadline is its slot less the most processing time of the steps
+    measured: of every step after the first until a step of the steady shape is among them
+    (LiveTalk's cache-filling chunks take longer), then of the steady steps alone."""
+    s = LiveSession(livetalk, lambda f, a, t, v: None)
+    steady = livetalk.family.steady_from(livetalk.cfg)
+    assert steady > 1  # tiny-livetalk fills its cache over several chunks
+    s.first_processing = 0.5
+    s.processing.extend((i, 0.9 if i == 1 else 0.8) for i in range(1, steady))
+    filling = s.deadline()
+    s.processing.append((steady, 0.3))
+    assert s.deadline() - filling == pytest.approx(0.9 - 0.3, abs=0.01)
+    s.processing.append((steady + 1, 0.4))
+    assert s.deadline() - filling == pytest.approx(0.9 - 0.4, abs=0.01)

@@ -149,6 +149,9 @@ class LiveTalk(FamilyModules):
     def decode_pieces(self, side, latent):
         return side.decoder.per_latent(latent)
 
+    def steady_from(self, cfg) -> int:
+        return self._module("cache").first_steady_chunk(cfg)
+
     def lookahead_samples(self, spec) -> int:
         a = spec.audio
         return a.lookahead_frames * a.sample_rate // a.fps

@@ -28,6 +28,14 @@ from .. import fp8
 from .rope import ChunkRope, rotate_temporal
 
 
+def first_steady_chunk(cfg) -> int:
+    """The first chunk of the steady shape: the window full and, with fp8_kv, the FP8 cache
+    in use; the chunks before it fill the cache (and give the calibration)."""
+    spec = cfg.model
+    full = spec.sink_chunks + spec.window_chunks - 1
+    return max(full, cfg.cache.calibration_chunks) if cfg.switches.fp8_kv else full
+
+
 class ChunkCache:
     def __init__(self, cfg, device, dtype):
         spec, sw = cfg.model, cfg.switches
@@ -107,10 +115,7 @@ class ChunkCache:
         return self.F * (self.S + 1 + (c - self.S - 1) % self.R)
 
     def first_steady(self) -> int:
-        """The first chunk of the steady shape: the window full and, with fp8_kv, the FP8
-        cache in use; the chunks before it fill the cache (and give the calibration)."""
-        full = self.S + self.W - 1
-        return max(full, self.cfg.cache.calibration_chunks) if self.fp8_kv else full
+        return first_steady_chunk(self.cfg)
 
     def quantized_at(self, c: int) -> bool:
         """Chunk c reads and writes the FP8 cache (the calibration ran before it)."""
