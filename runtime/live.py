@@ -64,8 +64,8 @@ WAIT_POLL_S = 0.05  # a take waiting for its speech looks at its deadline at lea
 # speech complete this many frame times before its deadline plays that much later than it
 # could: leading silence is dropped from the buffer until it is RESYNC_KEEP_FRAMES early (a
 # pause brings the latency back to the processing time, the margin and that much)
-RESYNC_LEAD_FRAMES = 0.5
-RESYNC_KEEP_FRAMES = 0.25
+RESYNC_LEAD_FRAMES = 2.0
+RESYNC_KEEP_FRAMES = 1.0
 SILENCE_LEVEL = 1e-3  # samples at most this loud (about -60 dBFS) are silence that may be dropped
 
 
