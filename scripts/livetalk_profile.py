@@ -6,12 +6,17 @@ attention floors at the GPU's dense peaks.
 
     python scripts/livetalk_profile.py --preset livetalk-1.3b --arm preset \\
         --out docs/results/livetalk/profile_livetalk-1.3b_preset.json
+
+`--fill-sessions N` also times a session's first chunks (those that fill the cache, the
+calibration's and the first steady one) over N new sessions after the warm-up, as a live
+session steps them, and profiles each of them once: `fill_chunks` in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -52,18 +57,68 @@ def chunk_flop(cfg) -> dict[str, float]:
     return {"gemm_tflop": gemm / 1e12, "attention_tflop": attn / 1e12}
 
 
+def kernel_ms(prof, chunks: int) -> collections.Counter:
+    """Each CUDA kernel's time per chunk (ms) in a profile of `chunks` chunks."""
+    kernels = collections.Counter()
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
+        if t and e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.key] += t / 1e3 / chunks
+    return kernels
+
+
+def grouped(kernels: collections.Counter) -> dict[str, float]:
+    groups = collections.Counter()
+    for name, t in kernels.items():
+        groups[group(name)] += t
+    return dict(groups.most_common())
+
+
+def first_chunks(session, shapes, step, steady: int, sessions: int, dev) -> list[dict]:
+    """Chunks 0 .. steady of `sessions` new sessions, each timed on the device; then one more
+    session with each of those chunks profiled alone. Per chunk: its times, their median,
+    its kernels' time and their groups."""
+    times = [[] for _ in range(steady + 1)]
+    profs = []
+    for s in range(sessions + 1):
+        session.start(torch.randn(shapes.reference, device=dev),
+                      torch.randn(shapes.prompt, device=dev))
+        for c in range(steady + 1):
+            if s < sessions:
+                with Span(dev) as sp:
+                    step()
+                times[c].append(sp.ms)
+            else:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    step()
+                    torch.cuda.synchronize()
+                profs.append(prof)
+    out = []
+    for c, (ms, prof) in enumerate(zip(times, profs)):
+        kernels = kernel_ms(prof, 1)
+        out.append({"chunk": c, "ms": ms, "ms_p50": median(ms),
+                    "kernel_ms": sum(kernels.values()), "groups_ms": grouped(kernels),
+                    "top_kernels_ms": dict(kernels.most_common(8))})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="livetalk-1.3b")
     ap.add_argument("--arm", choices=("preset", "bf16"), default="preset")
     ap.add_argument("--chunks", type=int, default=6, help="profiled steady chunks")
+    ap.add_argument("--off", nargs="*", default=[], metavar="SWITCH",
+                    help="switches of the arm turned off")
+    ap.add_argument("--fill-sessions", type=int, default=0,
+                    help="new sessions whose first chunks are timed and profiled")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     cfg = preset(args.preset)
     fam = family(cfg.family)
     cfg = arm_config(cfg, args.arm)
+    cfg = cfg.replace(switches=dataclasses.replace(cfg.switches, **{n: False for n in args.off}))
     dev = torch.device("cuda")
     full = fam.random_weights(cfg.model, args.seed)
     session = rank_session(cfg, fam.rank_state(cfg, full), Mapping.single("cuda"),
@@ -91,25 +146,29 @@ def main():
             for _ in range(args.chunks):
                 step()
             torch.cuda.synchronize()
-    kernels = collections.Counter()
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
-        if t and e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.key] += t / 1e3 / args.chunks  # ms per chunk
-    groups = collections.Counter()
-    for name, t in kernels.items():
-        groups[group(name)] += t
+        fill = first_chunks(session, shapes, step, fam.steady_from(cfg), args.fill_sessions, dev) \
+            if args.fill_sessions else None
+    kernels = kernel_ms(prof, args.chunks)
+    groups = grouped(kernels)
     flop = chunk_flop(cfg)
     precision = "fp8" if cfg.numerics.fp8_gemm else "bf16"
     floors = {"gemm_floor_ms": flop["gemm_tflop"] / DENSE_TFLOPS[precision] * 1e3,
               "attention_floor_ms": flop["attention_tflop"] / DENSE_TFLOPS[
                   "fp8" if cfg.switches.fp8_kv else "bf16"] * 1e3}
-    summary = {"preset": spec.name, "arm": args.arm, "gpu": torch.cuda.get_device_name(dev),
+    summary = {"preset": spec.name, "arm": args.arm, "off": args.off,
+               "gpu": torch.cuda.get_device_name(dev),
                "date": time.strftime("%Y-%m-%d"), "chunk_ms_p50": median(ms), "chunk_ms": ms,
                "kernel_ms_per_chunk": sum(kernels.values()), **flop, **floors,
                "groups_ms": dict(groups.most_common()),
                "top_kernels_ms": dict(kernels.most_common(25))}
-    print(json.dumps({k: v for k, v in summary.items() if k != "top_kernels_ms"}, indent=1))
+    if fill is not None:
+        summary["fill_chunks"] = fill
+    print(json.dumps({k: v for k, v in summary.items()
+                      if k not in ("top_kernels_ms", "fill_chunks")}, indent=1))
+    for c in fill or ():
+        print(f"chunk {c['chunk']}: {c['ms_p50']:.1f} ms (runs {c['ms']}), kernels "
+              f"{c['kernel_ms']:.1f} ms: " + ", ".join(f"{g} {t:.1f}"
+                                                       for g, t in c["groups_ms"].items()))
     for name, t in kernels.most_common(25):
         print(f"{t:8.2f} ms  {group(name):15s} {name[:110]}")
     if args.out:

@@ -202,10 +202,24 @@ def test_the_fused_pre_attention_equals_the_unfused_path_on_the_cpu():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("switch", ["fused_gelu_quant", "fused_q_norm"])
+def test_the_fused_pre_attention_into_the_wide_cache_equals_the_unfused_path_on_the_cpu():
+    """Into the cache in the model's dtype (every chunk without fp8_kv), the fused
+    pre-attention's reference gives the unfused path's chunks exactly, across resets."""
+    ins = inputs(TINY, 10)
+    nm = Numerics(dtype="bfloat16", fp8_gemm=False, fp8_attention=False)
+    sw = dataclasses.replace(LiveTalkSwitches(), fp8_kv=False)
+    fused = rollout(session(sw, nm), ins)
+    apart = rollout(session(dataclasses.replace(sw, fused_wide_pre_attention=False), nm), ins)
+    for a, b in zip(fused, apart):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("switch", ["fused_gelu_quant", "fused_q_norm",
+                                    "fused_wide_pre_attention"])
 def test_the_fused_epilogues_equal_the_unfused_path_on_the_cpu(switch):
-    """GELU + quantize and the q norm kernel: their references (what the CPU runs) are the
-    unfused path's math, so the chunks are equal, across a reset."""
+    """GELU + quantize, the q norm kernel and the pre-attention of the chunks before the FP8
+    calibration: their references (what the CPU runs) are the unfused path's math, so the
+    chunks are equal, across a reset."""
     ins = inputs(TINY, 8)
     nm = Numerics(dtype="bfloat16")
     fused = rollout(session(LiveTalkSwitches(), nm), ins)

@@ -1,6 +1,8 @@
 """The fused pre-attention for a norm across heads (LiveTalk's) against its reference on the
 GPU, at the released model's shape and a small one: the queries quantized alike, the keys and
-values written at the ring's slots within one e4m3 code, other slots untouched."""
+values written at the ring's slots within one e4m3 code, other slots untouched; into a cache
+in the compute dtype, the queries and the keys within one bf16 rounding and the values
+copied exactly."""
 
 import pytest
 import torch
@@ -62,3 +64,34 @@ def test_fused_pre_attention_across_heads_matches_its_reference(H, T, D, S):
     untouched = S - 2 * T
     assert (stores[1][0].view(torch.uint8)[:, :untouched] == NAN8).all()
     assert (stores[1][1].view(torch.uint8)[:, :, :untouched] == NAN8).all()
+
+
+@pytest.mark.parametrize("H,T,D,S", [(12, 3072, 128, 12288), (2, 192, 32, 960)])
+def test_fused_pre_attention_into_a_bf16_cache_matches_its_reference(H, T, D, S):
+    g = torch.Generator(device=DEV).manual_seed(T + 1)
+    y = (torch.randn(T, 3 * H * D, device=DEV, generator=g) * 3).to(torch.bfloat16)
+    q, k, v = (t.unflatten(1, (H, D)) for t in y.split(H * D, -1))
+    qn, kn = ((torch.rand(H * D, device=DEV, generator=g) + 0.5).to(torch.bfloat16)
+              for _ in range(2))
+    cos, sin = cos_sin(torch.rand(T, D // 2, device=DEV, generator=g) * 6)
+    idx = (S - 2 * T + torch.arange(T, device=DEV))[torch.randperm(T, device=DEV, generator=g)]
+    stores = [tuple(torch.full((H, S, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+                    for _ in range(2)) for _ in range(2)]
+    rq, rs = pre_attention_width.reference(q, k, v, qn, kn, 1e-6, cos, sin, *stores[0], None,
+                                           None, idx)
+    tq, ts = pre_attention_width.op(q, k, v, qn, kn, 1e-6, cos, sin, *stores[1], None, None,
+                                    idx)
+    assert tq.dtype == torch.bfloat16 and tq.shape == (H, T, D) and ts.numel() == rs.numel() == 0
+    one_rounding = 2.0 ** -7  # bf16's relative step
+
+    def near(a, b):
+        return bool(((a.float() - b.float()).abs()
+                     <= a.float().abs() * one_rounding + 2.0 ** -12).all())
+
+    assert near(rq, tq)
+    (rk, rv), (tk, tv) = stores
+    written = ~rk.isnan()
+    assert torch.equal(written, ~tk.isnan()) and torch.equal(written, ~tv.isnan())
+    assert near(rk[written], tk[written])
+    assert torch.equal(rv[written], tv[written])
+    assert tk[:, : S - 2 * T].isnan().all() and tv[:, : S - 2 * T].isnan().all()

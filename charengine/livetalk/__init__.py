@@ -36,10 +36,11 @@ class LiveTalk(FamilyModules):
         if cfg.switches.fp8_kv and not cfg.numerics.fp8_attention:
             raise ValueError("fp8_kv=True stores K/V for FP8 attention: set "
                              "numerics.fp8_attention=True, or fp8_kv=False for a bf16 cache.")
-        if cfg.switches.fused_pre_attention and cfg.switches.fp8_kv and \
-                not cfg.switches.rope_tables:
-            raise ValueError("fused_pre_attention rotates by the RoPE tables: set "
-                             "rope_tables=True, or fused_pre_attention=False")
+        sw = cfg.switches
+        for name, used in (("fused_pre_attention", sw.fp8_kv), ("fused_wide_pre_attention", True)):
+            if getattr(sw, name) and used and not sw.rope_tables:
+                raise ValueError(f"{name} rotates by the RoPE tables: set rope_tables=True, "
+                                 f"or {name}=False")
         if cfg.switches.position_reset and not cfg.switches.ring_cache and \
                 cfg.cache.reset_period < cfg.model.window_chunks - 1:
             raise ValueError("cache.reset_period is shorter than the window: a key would be "

@@ -191,6 +191,11 @@ class ChunkCache:
             return fp8.dequantize(k8, ks, self.dtype), fp8.dequantize(v8, vs, self.dtype)
         return self.k[b, :, :n], self.v[b, :, :n]
 
+    def stores(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block b's stores in the model's dtype as the fused pre-attention writes them: k, v
+        [heads, slots, head_dim]."""
+        return self.k[b], self.v[b]
+
     def stores_fp8(self, b: int):
         """Block b's FP8 stores as the fused pre-attention writes them: k8, v8 [heads, slots,
         head_dim] views and their per-head scales [heads, 1, 1]."""

@@ -55,6 +55,8 @@ class LiveTalkDiT:
         self.act = act_quant.select() if sw.fused_act_quant else act_quant.plain()
         self.attend8 = attention.select(self.spec.head_dim)
         self.pre_attention = pre_attention_width.op if sw.fused_pre_attention else None
+        self.pre_attention_wide = pre_attention_width.op if sw.fused_wide_pre_attention \
+            else None
         self.q_norm = rms_norm_op.select() if sw.fused_q_norm else rms_norm
         # the fused epilogues that hand their FP8 quantization to the next linear
         self.fused_residual = self.fused_input and sw.fused_residual
@@ -209,8 +211,12 @@ class LiveTalkDiT:
                 q = self.pre_attention(self.heads(q), self.heads(k), self.heads(v), qn, kn,
                                        eps, rope.cos, rope.sin, *cache.stores_fp8(b),
                                        cache.write_index)
+            elif self.fused_wide_pre(cache):  # the queries [heads, T, head_dim]; K/V written
+                q, _ = self.pre_attention_wide(self.heads(q), self.heads(k), self.heads(v), qn,
+                                               kn, eps, rope.cos, rope.sin, *cache.stores(b),
+                                               None, None, cache.write_index)
             else:
-                q = rope(self.heads(rms_norm(q, qn, eps)))
+                q = rope(self.heads(rms_norm(q, qn, eps))).transpose(0, 1)
                 cache.write(b, rope(self.heads(rms_norm(k, kn, eps))), self.heads(v))
             if commit and b == last and self.cfg.switches.skip_commit_tail:
                 return None
@@ -278,8 +284,13 @@ class LiveTalkDiT:
         return self.pre_attention is not None and cache.quantized and \
             self.cfg.numerics.fp8_attention
 
+    def fused_wide_pre(self, cache: ChunkCache) -> bool:
+        """The chunk's pre-attention runs fused into the cache in the model's dtype (the
+        chunks before the FP8 calibration, or every chunk without fp8_kv)."""
+        return self.pre_attention_wide is not None and not cache.quantized
+
     def self_attention(self, b: int, q, cache: ChunkCache, n_slots: int):
-        """q [T, heads, head_dim] (after RoPE), or its FP8 quantization per (head, token)
+        """q [heads, T, head_dim] (after RoPE), or its FP8 quantization per (head, token)
         (q8 [heads, T, head_dim], scale [heads, T, 1]), over block b's first n_slots cached
         slots -> [T, dim]: the FP8 attention over the FP8 cache as it lies, or SDPA in the
         model's dtype."""
@@ -288,12 +299,12 @@ class LiveTalkDiT:
             if isinstance(q, tuple):
                 q8, qs = q
             else:
-                q8, qs = self.act.quantize_rows(q.transpose(0, 1).reshape(-1, D))
+                q8, qs = self.act.quantize_rows(q.reshape(-1, D))
             k8, v8, ks, vs = cache.read_fp8(b, n_slots)
             return self.attend8(q8.view(H, -1, D), qs.view(H, -1, 1), k8, v8, ks, vs,
                                 self.dtype)
         kc, vc = cache.read(b, n_slots)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None])
+        o = F.scaled_dot_product_attention(q[None], kc[None], vc[None])
         return o[0].transpose(0, 1).flatten(1)
 
     def cross_attention(self, b: int, a, cache: ChunkCache) -> torch.Tensor:

@@ -255,11 +255,15 @@ class LiveTalkSwitches:
     # their slots, and lies in the FP8 cache's buffers (replaced block by block at the
     # calibration), not beside them
     shared_kv_stores: bool = True
+    # the same fused pre-attention where the cache is in the model's dtype (the chunks before
+    # the FP8 calibration, every chunk without fp8_kv): norm, RoPE and the K/V write in one
+    # kernel, the queries given back unquantized for SDPA
+    fused_wide_pre_attention: bool = True
 
     ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
              "fp8_kv", "fused_qkv", "fused_act_quant", "gemm_bias", "fused_pre_attention",
              "fused_residual", "fused_gelu_quant", "fused_q_norm", "skip_commit_tail",
-             "graph_fill_chunks", "shared_kv_stores")
+             "graph_fill_chunks", "shared_kv_stores", "fused_wide_pre_attention")
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":

@@ -36,10 +36,13 @@ def pre_attention_width_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin
                                stride_qh, stride_qt, stride_kh, stride_kt, stride_vh,
                                stride_vt, stride_oh, stride_os, stride_voh, stride_vos,
                                stride_vod, stride_qoh, stride_qot,
-                               H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+                               H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                               QUANT: tl.constexpr):
     """Program (token tile, head, part): part 0 the queries (normed, rotated, quantized per
     head and token), 1 the keys (normed, rotated, quantized with the head's scale, written at
-    their slots), 2 the values (quantized, written through the store's strides)."""
+    their slots), 2 the values (quantized, written through the store's strides). Without
+    QUANT the stores are in the compute dtype: queries, keys and values are written as they
+    are rounded, with no scales."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2)
@@ -55,24 +58,33 @@ def pre_attention_width_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin
         sin = tl.load(sin_ptr + cs_off, mask=mask, other=0.0)
         if part == 0:
             q = _width_norm_rope(q_ptr, stride_qh, stride_qt, h, offs_t, offs_c, qn_ptr, cos,
-                                 sin, eps, T, H, D, BLOCK_T).to(dt).to(tl.float32)
-            qs = tl.maximum(tl.max(tl.abs(q), 1), AMAX_FLOOR) / FP8_MAX
-            tl.store(qs_ptr + h * T + offs_t, qs, mask=offs_t < T)
+                                 sin, eps, T, H, D, BLOCK_T).to(dt)
             qo = qo_ptr + h * stride_qoh + offs_t[:, None] * stride_qot + offs_c[None, :]
-            tl.store(qo, to_e4m3(q, qs[:, None], tl.math.div_rn(1.0, qs)[:, None]), mask=mask)
+            if QUANT:
+                q = q.to(tl.float32)
+                qs = tl.maximum(tl.max(tl.abs(q), 1), AMAX_FLOOR) / FP8_MAX
+                tl.store(qs_ptr + h * T + offs_t, qs, mask=offs_t < T)
+                tl.store(qo, to_e4m3(q, qs[:, None], tl.math.div_rn(1.0, qs)[:, None]),
+                         mask=mask)
+            else:
+                tl.store(qo, q, mask=mask)
         else:
             k = _width_norm_rope(k_ptr, stride_kh, stride_kt, h, offs_t, offs_c, kn_ptr, cos,
-                                 sin, eps, T, H, D, BLOCK_T).to(dt).to(tl.float32)
-            ks = tl.load(ks_ptr + h)
-            k8 = tl.clamp(div_scale(k, ks, tl.math.div_rn(1.0, ks)), -FP8_MAX, FP8_MAX)
+                                 sin, eps, T, H, D, BLOCK_T).to(dt)
             slot = tl.load(idx_ptr + offs_t, mask=offs_t < T, other=0)
             dst = h * stride_oh + slot[:, None] * stride_os + offs_c[None, :]
-            tl.store(ko_ptr + dst, k8.to(ko_ptr.dtype.element_ty), mask=mask)
+            if QUANT:
+                ks = tl.load(ks_ptr + h)
+                k = tl.clamp(div_scale(k.to(tl.float32), ks, tl.math.div_rn(1.0, ks)),
+                             -FP8_MAX, FP8_MAX)
+            tl.store(ko_ptr + dst, k.to(ko_ptr.dtype.element_ty), mask=mask)
     else:
         slot = tl.load(idx_ptr + offs_t, mask=offs_t < T, other=0)
         v = tl.load(v_ptr + h * stride_vh + offs_t[:, None] * stride_vt + offs_c[None, :],
-                    mask=mask, other=0.0).to(tl.float32)
-        vs = tl.load(vs_ptr + h)
-        v8 = tl.clamp(div_scale(v, vs, tl.math.div_rn(1.0, vs)), -FP8_MAX, FP8_MAX)
+                    mask=mask, other=0.0)
+        if QUANT:
+            vs = tl.load(vs_ptr + h)
+            v = tl.clamp(div_scale(v.to(tl.float32), vs, tl.math.div_rn(1.0, vs)), -FP8_MAX,
+                         FP8_MAX)
         v_dst = h * stride_voh + slot[:, None] * stride_vos + offs_c[None, :] * stride_vod
-        tl.store(vo_ptr + v_dst, v8.to(vo_ptr.dtype.element_ty), mask=mask)
+        tl.store(vo_ptr + v_dst, v.to(vo_ptr.dtype.element_ty), mask=mask)
