@@ -159,7 +159,7 @@ def main():
                "gpu": torch.cuda.get_device_name(dev),
                "date": time.strftime("%Y-%m-%d"), "chunk_ms_p50": median(ms), "chunk_ms": ms,
                "kernel_ms_per_chunk": sum(kernels.values()), **flop, **floors,
-               "groups_ms": dict(groups.most_common()),
+               "groups_ms": groups,
                "top_kernels_ms": dict(kernels.most_common(25))}
     if fill is not None:
         summary["fill_chunks"] = fill

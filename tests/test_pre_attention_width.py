@@ -82,16 +82,20 @@ def test_fused_pre_attention_into_a_bf16_cache_matches_its_reference(H, T, D, S)
     tq, ts = pre_attention_width.op(q, k, v, qn, kn, 1e-6, cos, sin, *stores[1], None, None,
                                     idx)
     assert tq.dtype == torch.bfloat16 and tq.shape == (H, T, D) and ts.numel() == rs.numel() == 0
-    one_rounding = 2.0 ** -7  # bf16's relative step
+    step = 2.0 ** -7  # bf16's relative step
 
     def near(a, b):
-        return bool(((a.float() - b.float()).abs()
-                     <= a.float().abs() * one_rounding + 2.0 ** -12).all())
+        """Within two bf16 steps of the row's largest magnitude (a rotation sums two rounded
+        values, so a small output can carry its inputs' rounding), and mostly equal."""
+        a, b = a.float(), b.float()
+        row = a.abs().amax(-1, keepdim=True)
+        return bool(((a - b).abs() <= 2 * step * row).all()) and \
+            float((a == b).float().mean()) > 0.95
 
     assert near(rq, tq)
     (rk, rv), (tk, tv) = stores
     written = ~rk.isnan()
     assert torch.equal(written, ~tk.isnan()) and torch.equal(written, ~tv.isnan())
-    assert near(rk[written], tk[written])
+    assert near(rk[:, idx], tk[:, idx])
     assert torch.equal(rv[written], tv[written])
     assert tk[:, : S - 2 * T].isnan().all() and tv[:, : S - 2 * T].isnan().all()
