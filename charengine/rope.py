@@ -29,10 +29,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def rotate_temporal_f32(x: torch.Tensor, omega_t: torch.Tensor, delta: float) -> torch.Tensor:
-    """Rotate the temporal pairs of fp32 x [..., D] by omega_j * delta; others unchanged."""
+    """Rotate the temporal pairs of fp32 x [..., D] by omega_j * delta; others unchanged. The
+    angles in omega_t's precision (float64 ones keep far positions exact), the math in
+    fp32."""
     nt = omega_t.shape[0]
     ang = omega_t * delta
-    c, s = torch.cos(ang), torch.sin(ang)
+    c, s = torch.cos(ang).float(), torch.sin(ang).float()
     pairs = x[..., : 2 * nt].unflatten(-1, (nt, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rot = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)

@@ -19,8 +19,9 @@ from . import registry
 
 def reference(k: torch.Tensor, v: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
               scale: torch.Tensor, margin: float, fp8_max: float) -> None:
-    """k, v [caches, H, S, D] unquantized; k8, v8 the FP8 stores as [caches, H, S, D] (v8 may
-    be a view of a [caches, H, D, S] store); scale [caches, 2, H, 1, 1] receives the scales.
+    """k, v [caches, H, S, D] unquantized (one cache may be a slice of a longer one's slots);
+    k8, v8 the FP8 stores as [caches, H, S, D] (v8 may be a view of a [caches, H, D, S]
+    store); scale [caches, 2, H, 1, 1] receives the scales.
     One cache at a time, so the fp32 temporaries stay one cache's size."""
     for c in range(k.shape[0]):
         for i, (src, dst) in enumerate(((k, k8), (v, v8))):
@@ -36,8 +37,11 @@ def triton_calibrate(k, v, k8, v8, scale, margin: float, fp8_max: float,
 
     C, H, S, D = k.shape
     for name, t in (("k", k), ("v", v)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous [caches, heads, slots, head_dim]")
+        # the kernels step (cache, head) rows by the head stride: one cache may be any
+        # slice of its slots, several must lie back to back
+        if t.stride(3) != 1 or (C > 1 and t.stride(0) != H * t.stride(1)):
+            raise ValueError(f"{name} needs a contiguous head dimension and its caches "
+                             "back to back [caches, heads, slots, head_dim]")
     from .kernels.calibrate import cache_amax_kernel, cache_quantize_kernel
 
     grid = (C * H, triton.cdiv(S, block_s))

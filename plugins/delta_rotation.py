@@ -33,12 +33,12 @@ def triton_delta_rotation(k8, k_scale, first_slot, omega_t, delta, block_r: int 
         raise ValueError("k8 needs a contiguous head dimension")
     W = S - first_slot
     rows = C * H * W
-    ang = omega_t.float() * delta
+    ang = omega_t * delta  # in omega_t's precision, as the reference
     nt = omega_t.shape[0]
     from .kernels.delta_rotation import delta_rotation_kernel
 
     delta_rotation_kernel[((rows + block_r - 1) // block_r,)](
-        k8, k_scale, torch.cos(ang), torch.sin(ang), rows, H, W, first_slot,
+        k8, k_scale, torch.cos(ang).float(), torch.sin(ang).float(), rows, H, W, first_slot,
         k8.stride(0), k8.stride(1), k8.stride(2), k_scale.stride(0), k_scale.stride(1),
         NT=nt, BLOCK_R=block_r, BLOCK_J=triton.next_power_of_2(nt), num_warps=4)
 

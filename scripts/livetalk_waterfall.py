@@ -40,6 +40,8 @@ LABELS = {WATERFALL_PLAIN: "Plain (bf16)", "baked_adaln": "+AdaLN tables",
           "fused_q_norm": "+Fused q norm", "skip_commit_tail": "+Skip commit tail",
           "graph_fill_chunks": "+Graphed fill chunks", "shared_kv_stores": "+Shared K/V stores",
           "fused_wide_pre_attention": "+Fused bf16 pre-attn.",
+          "fused_calibration": "+Fused calibration",
+          "fused_delta_rotation": "+Fused delta rotation",
           WATERFALL_PRODUCTION: "+Fast accum. = production"}
 STATS = ("diffusion_p50_ms", "diffusion_p90_ms", "reset_chunk_p50_ms", "memory_peak_mb",
          "setup_s", "wall_s")

@@ -188,16 +188,21 @@ def test_one_pass_swiglu_quant_equals_the_two_pass_kernel(T, A, M):
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
 
 
-@pytest.mark.parametrize("C,H,S,D", [(9, 20, 600, 128), (3, 3, 77, 16)])
-def test_calibration_kernels_match_the_reference(C, H, S, D):
+@pytest.mark.parametrize("C,H,S,D,extra", [(9, 20, 600, 128, 0), (3, 3, 77, 16, 0),
+                                            (1, 12, 300, 128, 84)])
+def test_calibration_kernels_match_the_reference(C, H, S, D, extra):
     """Scales bit-identical (the amax is exact); codes as the reference's, the value store
     written transposed as production keeps it; outputs poisoned first; one head all zeros
-    (its scale from the floor)."""
+    (its scale from the floor). With `extra`, k and v are the first S slots of a longer
+    cache (LiveTalk's calibration reads the slots its first chunks wrote): the slots past
+    them, poisoned, are not read."""
     g = torch.Generator(device=DEV).manual_seed(S)
-    k = (torch.randn(C, H, S, D, device=DEV, generator=g)
+    k = (torch.randn(C, H, S + extra, D, device=DEV, generator=g)
          * torch.rand(C, H, 1, 1, device=DEV, generator=g) * 5).to(torch.bfloat16)
-    v = (torch.randn(C, H, S, D, device=DEV, generator=g) * 3).to(torch.bfloat16)
-    k[1, 1] = 0
+    v = (torch.randn(C, H, S + extra, D, device=DEV, generator=g) * 3).to(torch.bfloat16)
+    k[:, :, S:], v[:, :, S:] = float("nan"), float("nan")
+    k, v = k[:, :, :S], v[:, :, :S]
+    k[-1, 1] = 0
     outs = []
     for fn in (calibrate.reference, calibrate.triton_calibrate):
         k8 = torch.empty(C, H, S, D, dtype=fp8.FP8, device=DEV)

@@ -5,6 +5,7 @@ over many chunks and position resets, FP8 against fp32, and a session past 1,100
 frames with bounded positions."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -215,11 +216,12 @@ def test_the_fused_pre_attention_into_the_wide_cache_equals_the_unfused_path_on_
 
 
 @pytest.mark.parametrize("switch", ["fused_gelu_quant", "fused_q_norm",
-                                    "fused_wide_pre_attention"])
+                                    "fused_wide_pre_attention", "fused_calibration",
+                                    "fused_delta_rotation"])
 def test_the_fused_epilogues_equal_the_unfused_path_on_the_cpu(switch):
-    """GELU + quantize, the q norm kernel and the pre-attention of the chunks before the FP8
-    calibration: their references (what the CPU runs) are the unfused path's math, so the
-    chunks are equal, across a reset."""
+    """GELU + quantize, the q norm kernel, the pre-attention of the chunks before the FP8
+    calibration, the calibration's kernels and the delta rotation's: their references (what
+    the CPU runs) are the unfused path's math, so the chunks are equal, across a reset."""
     ins = inputs(TINY, 8)
     nm = Numerics(dtype="bfloat16")
     fused = rollout(session(LiveTalkSwitches(), nm), ins)
@@ -259,14 +261,17 @@ def test_the_gemm_problems_are_timed_as_the_model_accumulates(fast):
 
 def test_the_cache_calibrates_and_rotates_block_by_block_as_the_whole_cache_at_once():
     """The FP8 calibration and the delta rotation run one block at a time (so their fp32
-    temporaries are one block's), over stores shared or apart: the scales, the FP8 cache
-    and the rotated keys equal the same math over every block at once."""
+    temporaries are one block's), over stores shared or apart, with the calibration's ops or
+    its fused kernels' references (the calibration's and the rotation's): the scales, the
+    calibrated slots of the FP8 cache and the rotated keys equal the same math over every
+    block at once."""
     from charengine import fp8
     from charengine.livetalk.cache import ChunkCache
     from charengine.livetalk.rope import rotate_temporal
 
-    for shared in (True, False):
-        sw = dataclasses.replace(LiveTalkSwitches(), shared_kv_stores=shared)
+    for shared, fused in itertools.product((True, False), (True, False)):
+        sw = dataclasses.replace(LiveTalkSwitches(), shared_kv_stores=shared,
+                                 fused_calibration=fused, fused_delta_rotation=fused)
         cfg = EngineConfig(model=TINY, switches=sw, numerics=Numerics())
         cache = ChunkCache(cfg, "cpu", torch.bfloat16)
         assert cache.shared == shared
@@ -277,23 +282,24 @@ def test_the_cache_calibrates_and_rotates_block_by_block_as_the_whole_cache_at_o
         cache.k.copy_(torch.randn(cache.k.shape, generator=g) * spread)
         cache.v.copy_(torch.randn(cache.v.shape, generator=g) * spread.flip(0))
         k, v = cache.k.clone(), cache.v.clone()
-        n, w = cache.valid_slots(cfg.cache.calibration_chunks - 1), cache.wide_slots
+        n = cache.valid_slots(cfg.cache.calibration_chunks - 1)
         cache.calibrate(n)
         amax = torch.stack([k[:, :, :n].float().abs().amax(dim=(2, 3)),
                             v[:, :, :n].float().abs().amax(dim=(2, 3))], dim=1)
         scale = (amax.clamp_min(fp8.TINY) * cfg.cache.scale_margin / fp8.FP8_MAX)[..., None, None]
         assert torch.equal(cache.scale, scale) and cache.quantized
-        assert torch.equal(cache.k8[:, :, :w].float(), fp8.quantize(k, scale[:, 0]).float())
-        assert torch.equal(cache.v8[:, :, :, :w].float(),
-                           fp8.quantize(v, scale[:, 1]).transpose(2, 3).float())
+        assert torch.equal(cache.k8[:, :, :n].float(),
+                           fp8.quantize(k[:, :, :n], scale[:, 0]).float())
+        assert torch.equal(cache.v8[:, :, :, :n].float(),
+                           fp8.quantize(v[:, :, :n], scale[:, 1]).transpose(2, 3).float())
 
         lo, delta = cache.sink_slots, -float(cache.R * cache.F)
         k8 = cache.k8.clone()
         cache.delta_rotate()
         # (the slots past the calibration's are written before any chunk reads them: with
         # shared stores they hold the wide cache's bytes until then)
-        rot = rotate_temporal(k8[:, :, lo:w].float() * scale[:, 0], cache.rope.omega_t, delta)
-        assert torch.equal(cache.k8[:, :, lo:w].float(), fp8.quantize(rot, scale[:, 0]).float())
+        rot = rotate_temporal(k8[:, :, lo:n].float() * scale[:, 0], cache.rope.omega_t, delta)
+        assert torch.equal(cache.k8[:, :, lo:n].float(), fp8.quantize(rot, scale[:, 0]).float())
         assert torch.equal(cache.k8[:, :, :lo], k8[:, :, :lo])  # the sink stays
 
     # the rotation of the cache in the model's dtype (the chunks before the calibration)

@@ -84,6 +84,10 @@ class ChunkCache:
         self.positions = torch.zeros(self.F, dtype=torch.long, device=dev)
         self.rope = ChunkRope(spec, dev)
         self.text_k = self.text_v = None  # [blocks, heads, prompt_tokens, head_dim]
+        from ..plugins import calibrate, delta_rotation
+
+        self.calibrate_fp8 = calibrate.select() if sw.fused_calibration else None
+        self.rotate_fp8 = delta_rotation.select() if sw.fused_delta_rotation else None
 
     def kv_bytes(self) -> int:
         """Bytes the K/V stores hold (shared: the FP8 cache inside the wide one's buffers)."""
@@ -160,6 +164,9 @@ class ChunkCache:
         at a time (the fp32 temporaries are one block's window, not every block's)."""
         delta = -float(self.R * self.F)
         lo = self.sink_slots
+        if self.quantized and self.rotate_fp8 is not None:  # every block in one kernel
+            self.rotate_fp8(self.k8, self.scale[:, 0], lo, self.rope.omega_t, delta)
+            return
         for b in range(self.spec.n_blocks):
             if self.quantized:
                 ks = self.scale[b, 0]
@@ -214,6 +221,9 @@ class ChunkCache:
         margin = self.cfg.cache.scale_margin
         w = self.wide_slots
         for b in range(self.spec.n_blocks):
+            if self.calibrate_fp8 is not None:
+                self._calibrate_block(b, n, margin)
+                continue
             k, v = self.k[b].clone(), self.v[b].clone()
             amax = torch.stack([k[:, :n].float().abs().amax(dim=(1, 2)),
                                 v[:, :n].float().abs().amax(dim=(1, 2))])
@@ -221,3 +231,13 @@ class ChunkCache:
             self.k8[b, :, :w].copy_(fp8.quantize(k, self.scale[b, 0]))
             self.v8[b, :, :, :w].copy_(fp8.quantize(v, self.scale[b, 1]).transpose(1, 2))
         self.quantized = True
+
+    def _calibrate_block(self, b: int, n: int, margin: float) -> None:
+        """Block b's scales from its first n slots, and those slots quantized, by the fused
+        kernels (fused_calibration): the same bytes as the ops above. With shared stores a
+        block whose FP8 bytes reach into its own wide bytes is copied out first."""
+        k, v = self.k[b:b + 1, :, :n], self.v[b:b + 1, :, :n]
+        if self.shared and (b + 1) * self.k8[b].nbytes > b * self.k[b].nbytes:
+            k, v = k.clone(), v.clone()
+        self.calibrate_fp8(k, v, self.k8[b:b + 1, :, :n], self.v8[b:b + 1, :, :, :n]
+                           .transpose(2, 3), self.scale[b:b + 1], margin, fp8.FP8_MAX)

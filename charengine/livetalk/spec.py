@@ -259,11 +259,18 @@ class LiveTalkSwitches:
     # the FP8 calibration, every chunk without fp8_kv): norm, RoPE and the K/V write in one
     # kernel, the queries given back unquantized for SDPA
     fused_wide_pre_attention: bool = True
+    # with fp8_kv: the calibration's amax and quantization of each block's cache in two
+    # kernels (plugins/calibrate.py), not a dozen PyTorch ops with fp32 temporaries
+    fused_calibration: bool = True
+    # with fp8_kv: the delta rotation of every block's FP8 window keys in one kernel
+    # (plugins/delta_rotation.py), in place, not a block at a time through fp32 temporaries
+    fused_delta_rotation: bool = True
 
     ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
              "fp8_kv", "fused_qkv", "fused_act_quant", "gemm_bias", "fused_pre_attention",
              "fused_residual", "fused_gelu_quant", "fused_q_norm", "skip_commit_tail",
-             "graph_fill_chunks", "shared_kv_stores", "fused_wide_pre_attention")
+             "graph_fill_chunks", "shared_kv_stores", "fused_wide_pre_attention",
+             "fused_calibration", "fused_delta_rotation")
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":
