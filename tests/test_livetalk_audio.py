@@ -149,6 +149,32 @@ def test_from_pretrained_round_trip(encoder, speech, tmp_path):
     assert torch.equal(fresh.features(clip, 21), encoder.features(clip, 21))
 
 
+def test_the_runtimes_wav2vec2_computes_what_transformers_computes(encoder, speech):
+    """The runtime's own wav2vec2 (charengine/livetalk/wav2vec2.py, no transformers import)
+    against transformers' Wav2Vec2Model on the same weights: the offline features, a live
+    window with padding masked out (chunk 0) and a full one, in float32; and its state dict
+    is transformers' own, key for key."""
+    plain = A.AudioEncoder(A.TINY, model=encoder.transformers_model())
+    assert type(plain.model).__name__ == "Wav2Vec2Model"
+    assert type(encoder.model).__module__ == "charengine.livetalk.wav2vec2"
+    sd, ref = encoder.state_dict(), plain.state_dict()
+    assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in sd)
+    clip = speech[:20000]
+    torch.testing.assert_close(encoder.features(clip, 21), plain.features(clip, 21),
+                               atol=1e-5, rtol=1e-5)
+    for k in (0, 3):
+        window = A.chunk_window(A.TINY, speech, k)
+        torch.testing.assert_close(A.chunk_features(A.TINY, encoder, window, k),
+                                   A.chunk_features(A.TINY, plain, window, k),
+                                   atol=1e-5, rtol=1e-5)
+    # a control: the same comparison sees one changed weight
+    other = A.AudioEncoder(A.TINY, seed=None)
+    other.load_state_dict({**sd, "model.encoder.layers.1.final_layer_norm.bias":
+                           sd["model.encoder.layers.1.final_layer_norm.bias"] + 1e-3})
+    assert not torch.allclose(other.features(clip, 21), plain.features(clip, 21),
+                              atol=1e-5, rtol=1e-5)
+
+
 def test_from_pretrained_errors(encoder, tmp_path):
     with pytest.raises(CheckpointError) as e:
         A.AudioEncoder.from_pretrained(tmp_path / "nowhere", A.TINY)

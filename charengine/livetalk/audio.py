@@ -158,21 +158,32 @@ def _config_mismatch(spec: AudioSpec, cfg) -> str | None:
     return None
 
 
+def random_wav2vec_state(spec: AudioSpec, seed: int) -> dict[str, torch.Tensor]:
+    """transformers' initialization of a Wav2Vec2Model of the spec's shapes, from `seed`."""
+    from transformers import Wav2Vec2Model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Wav2Vec2Model(wav2vec_config(spec)).state_dict()
+
+
 class AudioEncoder(torch.nn.Module):
-    """wav2vec2 as LiveTalk runs it. `model` is transformers' Wav2Vec2Model (state_dict keys
-    `model.*`); `normalize` is the feature extractor's do_normalize. Always in eval mode: the
+    """wav2vec2 as LiveTalk runs it. `model` is charengine's `wav2vec2.Wav2Vec2` by default, or
+    transformers' Wav2Vec2Model (`from_pretrained`; the plain path): the same state_dict keys
+    `model.*` and the same features. `seed`: transformers' random initialization (None: the
+    tensors are left for a state to fill, as the runtime loads one, and transformers is not
+    imported). `normalize` is the feature extractor's do_normalize. Always in eval mode: the
     features are never trained here."""
 
     def __init__(self, spec: AudioSpec, seed: int | None = 0, model=None, normalize: bool = True):
         super().__init__()
         self.spec, self.normalize = spec, normalize
         if model is None:
-            from transformers import Wav2Vec2Model
+            from .wav2vec2 import Wav2Vec2
 
-            with torch.random.fork_rng(devices=[]):
-                if seed is not None:
-                    torch.manual_seed(seed)
-                model = Wav2Vec2Model(wav2vec_config(spec))
+            model = Wav2Vec2(spec)
+            if seed is not None:
+                model.load_state_dict(random_wav2vec_state(spec, seed))
         self.model = model
         self.eval()
 
@@ -210,11 +221,25 @@ class AudioEncoder(torch.nn.Module):
             raise CheckpointError(f"{path}: unreadable wav2vec2 weights ({_one_line(e)})") from None
         return cls(spec, model=model, normalize=bool(fx.do_normalize))
 
+    def transformers_model(self):
+        """transformers' Wav2Vec2Model over this encoder's weights (the plain path; a copy
+        unless the encoder already runs one)."""
+        from transformers import Wav2Vec2Model
+
+        if isinstance(self.model, Wav2Vec2Model):
+            return self.model
+        p = next(self.model.parameters())
+        with torch.device("meta"):
+            model = Wav2Vec2Model(wav2vec_config(self.spec))
+        model.load_state_dict({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                              assign=True)
+        return model.to(p.device).eval()
+
     def save_pretrained(self, path) -> None:
         """A directory `from_pretrained` reads: the model and its feature extractor's config."""
         from transformers import Wav2Vec2FeatureExtractor
 
-        self.model.save_pretrained(str(path))
+        self.transformers_model().save_pretrained(str(path))
         Wav2Vec2FeatureExtractor(sampling_rate=self.spec.sample_rate,
                                  do_normalize=self.normalize).save_pretrained(str(path))
 

@@ -23,13 +23,15 @@ PREFIXES = ("vae.", "audio_encoder.", "prompt.", "umt5.")
 
 
 class SideNets(torch.nn.Module):
-    def __init__(self, spec: LiveTalkSpec):
+    def __init__(self, spec: LiveTalkSpec, audio_seed: int | None = 0):
+        """`audio_seed`: the audio encoder's random initialization (None: its tensors are left
+        for a state to fill, as on the meta device)."""
         super().__init__()
         from .text import TinyUmt5Prompt
 
         self.spec = spec
         self.vae = WanVAE(spec.vae)
-        self.audio_encoder = AudioEncoder(spec.audio)
+        self.audio_encoder = AudioEncoder(spec.audio, seed=audio_seed)
         self.prompt = torch.nn.Module()
         self.prompt.register_buffer("features", torch.zeros(spec.prompt_tokens, spec.text_dim))
         self.prompt_encoder = TinyUmt5Prompt(spec.prompt_tokens, spec.text_dim) \
@@ -56,7 +58,7 @@ class SideNets(torch.nn.Module):
 
 def side_shapes(spec: LiveTalkSpec) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in SideNets(spec).state_dict().items()}
+        return {k: tuple(v.shape) for k, v in SideNets(spec, audio_seed=None).state_dict().items()}
 
 
 def check_side(spec: LiveTalkSpec, state: dict, where: str) -> None:
@@ -85,7 +87,7 @@ def load_side(spec: LiveTalkSpec, state: dict, device="cpu") -> SideNets:
     `device` and its dtypes (side_dtypes) where they are not there yet; a state read
     straight onto the device is used as it lies."""
     with torch.device("meta"):
-        nets = SideNets(spec)
+        nets = SideNets(spec, audio_seed=None)
     names = set(nets.state_dict())
     missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
     if missing or unexpected:
