@@ -105,6 +105,56 @@ def test_streaming_equals_whole_decode(split):
     torch.testing.assert_close(dec(lat[:, :1]), whole[:1], atol=1e-5, rtol=0)
 
 
+def test_the_frames_layout_decodes_what_the_3d_convs_decode():
+    """use_frames_layout (2-D channels-last convs over frames, the taps stacked): a session
+    decoded in the live pieces and one decoded whole give the plain path's frames; the state
+    dict is unchanged (the weights become views of their 2-D layout) and the streaming state
+    lies channels-last. A control: a decoder whose conv weight moved decodes other frames."""
+    from charengine.livetalk.vae_blocks import FRAMES, use_frames_layout
+
+    torch.manual_seed(0)
+    lat = torch.randn(16, 7, 4, 4)
+    plain, frames = random_vae(), random_vae()
+    before = {k: v.clone() for k, v in frames.state_dict().items()}
+    use_frames_layout(frames.decoder)
+    after = frames.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    ref, dec = StreamingDecoder(plain), StreamingDecoder(frames)
+    pieces = [lat[:, :2], *lat[:, 2:].split(1, dim=1)]
+    want = torch.cat([ref(p) for p in pieces])
+    got = torch.cat([dec(p) for p in pieces])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert all(t.is_contiguous(memory_format=FRAMES) for t in dec.state.past.values())
+    dec.reset()
+    torch.testing.assert_close(dec(lat), want, atol=1e-5, rtol=0)
+    conv = frames.decoder.upsamples[0].residual["2"]
+    conv.frames_weight.mul_(1.01)
+    dec.reset()
+    assert not torch.allclose(dec(lat), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_frames_layout_decodes_what_the_3d_convs_decode_on_a_gpu():
+    """At Wan 2.1's widths in bf16 on a GPU (cuDNN's 2-D channels-last kernels against its
+    3-D ones): the live pieces' frames within bf16's rounding of the plain path's."""
+    from charengine.livetalk.vae_blocks import use_frames_layout
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    lat = torch.randn(16, 4, 32, 32, device=dev)
+    plain = random_vae(WAN21).to(dev, torch.bfloat16)
+    frames = random_vae(WAN21).to(dev, torch.bfloat16)
+    use_frames_layout(frames.decoder)
+    with torch.inference_mode():
+        ref, dec = StreamingDecoder(plain), StreamingDecoder(frames)
+        pieces = [lat[:, :2], *lat[:, 2:].split(1, dim=1)]
+        want = torch.cat([ref(p) for p in pieces])
+        got = torch.cat([dec(p) for p in pieces])
+    assert got.shape == want.shape == (9, 3, 256, 256)
+    assert (got - want).abs().max() < 0.05 and (got - want).abs().mean() < 5e-3
+
+
 def test_decoder_cache_is_reused_in_place():
     dec = StreamingDecoder(random_vae())
     lat = torch.randn(16, 3, 4, 4)

@@ -18,6 +18,7 @@ from ..checkpoint import CheckpointError, check_tensors
 from .audio import AudioEncoder
 from .spec import LiveTalkSpec
 from .vae import StreamingDecoder, WanVAE, encode_image, load_vae
+from .vae_blocks import use_frames_layout
 
 PREFIXES = ("vae.", "audio_encoder.", "prompt.", "umt5.")
 
@@ -40,7 +41,10 @@ class SideNets(torch.nn.Module):
         self.decoder: StreamingDecoder | None = None  # made on the networks' device (ready())
 
     def ready(self) -> "SideNets":
-        """After a move to the serving device: the streaming decoder over the moved VAE."""
+        """After a move to the serving device: the streaming decoder over the moved VAE (in
+        the frames layout on a GPU where the VAE's spec asks for it)."""
+        if self.spec.vae.gpu_frames_layout and self.vae.conv2.weight.device.type == "cuda":
+            use_frames_layout(self.vae.decoder)
         self.decoder = StreamingDecoder(self.vae)
         return self
 

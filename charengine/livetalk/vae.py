@@ -48,6 +48,10 @@ class VaeSpec:
     # 127 ms against fp32's 179 on an H200, its frames within 0.025 of fp32's
     # (scripts/bench_livetalk_sidenets.py, docs/PERFORMANCE.md)
     gpu_dtype: str = "bfloat16"
+    # where it runs on a GPU, the decoder in the frames layout (vae_blocks.use_frames_layout:
+    # channels-last activations, every conv a 2-D conv over the frames); off, cuDNN's 3-D
+    # convs over [C, T, H, W] (the plain path, and the CPU's)
+    gpu_frames_layout: bool = False
 
     def __post_init__(self):
         for name in ("dim_mult", "temporal_downsample", "mean", "std"):  # JSON gives lists

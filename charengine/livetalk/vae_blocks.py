@@ -8,6 +8,12 @@ frames in a `StreamState`; a call without one is a whole sequence from the sessi
 first frame of a sequence skips temporal resampling (it stays one frame, and the temporal convs
 of the resamplers start at the second), which is why latent 0 decodes to one frame and each
 later latent to four.
+
+Two ways to run the convs, chosen once per module (`use_frames_layout`): as 3-D convs over
+[B, C, T, H, W] (the plain path), or over activations kept channels-last
+(`torch.channels_last_3d`: [B, T, H, W, C] in memory) as 2-D channels-last convs with the
+frames as the batch, a causal 3-tap conv's taps stacked on its input channels (one GEMM of
+3 C inputs per output pixel). The two give the same frames (up to the order of the sums).
 """
 
 from __future__ import annotations
@@ -31,11 +37,15 @@ class StreamState:
         self.started = False
 
     def history(self, conv: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
-        """`conv`'s n past input frames for input `x` (zeros at a session's start)."""
+        """`conv`'s n past input frames for input `x` (zeros at a session's start; laid out
+        as x is)."""
         want = (x.shape[0], x.shape[1], n, *x.shape[3:])
         past = self.past.get(conv)
         if past is None or past.shape != want or past.dtype != x.dtype or past.device != x.device:
-            past = self.past[conv] = x.new_zeros(want)
+            past = x.new_zeros(want)
+            if getattr(conv, "frames_weight", None) is not None:
+                past = past.contiguous(memory_format=FRAMES)
+            self.past[conv] = past
         return past
 
 
@@ -45,8 +55,35 @@ def numbered(layers: dict[int, nn.Module]) -> nn.ModuleDict:
     return nn.ModuleDict({str(i): m for i, m in layers.items()})
 
 
+FRAMES = torch.channels_last_3d  # the frames layout's memory format
+
+
+def frames_of(x: torch.Tensor) -> torch.Tensor:
+    """One sequence [1, C, T, H, W] in the frames layout as 2-D frames [T, C, H, W]
+    (channels-last): a view."""
+    return x.contiguous(memory_format=FRAMES)[0].transpose(0, 1)
+
+
+def sequence_of(y: torch.Tensor) -> torch.Tensor:
+    """Frames [T, C, H, W] (channels-last) as the sequence [1, C, T, H, W]: a view."""
+    return y.transpose(0, 1)[None]
+
+
+def frames_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A conv weight as the frames layout's 2-D conv takes it: [O, I, kt, kh, kw] ->
+    [O, kt I, kh, kw] (taps on the input channels, oldest first), channels-last."""
+    if weight.dim() == 5:
+        weight = weight.permute(0, 2, 1, 3, 4).flatten(1, 2)
+    return weight.contiguous(memory_format=torch.channels_last)
+
+
 def conv2d_frames(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """A 2-D conv applied to every frame of [B, C, T, H, W] (as a 1 x k x k 3-D conv)."""
+    """A 2-D conv applied to every frame of [B, C, T, H, W] (as a 1 x k x k 3-D conv; in the
+    frames layout, a 2-D conv over the frames)."""
+    if getattr(conv, "frames_weight", None) is not None:
+        y = F.conv2d(frames_of(x), conv.frames_weight, conv.bias, stride=conv.stride,
+                     padding=conv.padding)
+        return sequence_of(y)
     return F.conv3d(x, conv.weight.unsqueeze(2), conv.bias, stride=(1, *conv.stride),
                     padding=(0, *conv.padding))
 
@@ -57,9 +94,12 @@ class CausalConv3d(nn.Conv3d):
     def __init__(self, cin: int, cout: int, kernel: int | tuple[int, int, int]):
         k = (kernel,) * 3 if isinstance(kernel, int) else tuple(kernel)
         super().__init__(cin, cout, k, padding=(0, k[1] // 2, k[2] // 2))
+        self.frames_weight: torch.Tensor | None = None  # set by use_frames_layout
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         n = self.kernel_size[0] - 1
+        if self.frames_weight is not None:
+            x = x.contiguous(memory_format=FRAMES)
         if n:
             if state is None:
                 x = F.pad(x, (0, 0, 0, 0, n, 0))
@@ -67,7 +107,32 @@ class CausalConv3d(nn.Conv3d):
                 past = state.history(self, x, n)
                 x = torch.cat([past, x], dim=2)
                 past.copy_(x[:, :, -n:])
-        return super().forward(x)
+        if self.frames_weight is None:
+            return super().forward(x)
+        t = x.contiguous(memory_format=FRAMES)[0].permute(1, 2, 3, 0)  # [T + n, H, W, C]
+        frames = t.shape[0] - n
+        taps = torch.cat([t[i:i + frames] for i in range(n + 1)], dim=-1) if n else t
+        y = F.conv2d(taps.permute(0, 3, 1, 2), self.frames_weight, self.bias,
+                     padding=self.padding[1:])
+        return sequence_of(y)
+
+
+def use_frames_layout(module: nn.Module) -> None:
+    """Run every conv under `module` in the frames layout, for decoding one sequence at a time
+    (batch 1). Each conv's weight is laid out once as its 2-D conv takes it, and the weight
+    itself becomes a view of that (the same values, no second copy)."""
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, (CausalConv3d, nn.Conv2d)):
+                w = m.weight
+                fw = frames_weight(w)
+                if w.dim() == 5:  # w[o, i, t, h, w] = fw[o, t I + i, h, w]
+                    o, i, kt, kh, kw = w.shape
+                    view = fw.as_strided(w.shape, (kh * kw * kt * i, 1, i, kw * kt * i, kt * i))
+                else:
+                    view = fw
+                m.weight.data = view
+                m.frames_weight = fw
 
 
 class RMSNorm(nn.Module):
