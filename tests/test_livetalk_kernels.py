@@ -1,7 +1,8 @@
 """LiveTalk's fused epilogue kernels against their references on the GPU, at the released
 model's shapes (3,072 tokens, width 1,536, FFN 8,960) and small odd ones: the gated residual
 inside the cross-attention's layer norm and inside the next block's AdaLN (with a frame's
-audio row), GELU with its quantization, and the q RMS norm across heads. Outputs are
+audio row), GELU with its quantization, the q RMS norm across heads, and the VAE's channel
+RMS norm with its SiLU (both layouts). Outputs are
 poisoned first. (Triton's CPU interpreter rounds e4m3 and bf16 unlike the hardware, so these
 run only on a GPU.)"""
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from charengine import fp8
-from charengine.plugins import act_quant, rms_norm
+from charengine.plugins import act_quant, channel_norm, rms_norm
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu
@@ -98,3 +99,26 @@ def test_rms_norm_width_matches_reference(T, d):
     out = rms_norm.triton_rms_norm_width(x, w, 1e-6)
     assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2.0 ** -7).all()
     assert (out == ref).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("shape,layout", [((1, 96, 4, 64, 64), "contiguous"),
+                                          ((1, 384, 1, 16, 16), "contiguous"),
+                                          ((2, 37, 3, 5, 7), "contiguous"),
+                                          ((1, 192, 4, 32, 32), "frames"),
+                                          ((1, 37, 3, 5, 7), "frames")])
+@pytest.mark.parametrize("silu", [True, False])
+def test_channel_norm_matches_reference(shape, layout, silu):
+    """The kernel computes in fp32 and rounds once; the reference rounds after each of its
+    ops in bf16: within two bf16 units of the output's size. The output keeps the input's
+    layout; poisoned outputs would show (empty_like is not zeroed)."""
+    g = torch.Generator(device=DEV).manual_seed(shape[1])
+    x = (torch.randn(shape, device=DEV, generator=g) * 3 + 0.5).to(torch.bfloat16)
+    if layout == "frames":
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    gain = (torch.randn(shape[1], 1, 1, 1, device=DEV, generator=g) * 0.3 + 1).to(torch.bfloat16)
+    want = channel_norm.reference(x.float(), gain.float(), silu)
+    got = channel_norm.triton_channel_norm(x, gain, silu)
+    assert got.stride() == x.stride() and got.dtype == x.dtype
+    assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7 + 2.0 ** -8).all()
+    plain = channel_norm.reference(x, gain, silu)  # the bf16 path the kernel replaces
+    assert (got.float() - want).abs().mean() <= (plain.float() - want).abs().mean()

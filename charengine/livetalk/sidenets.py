@@ -18,7 +18,7 @@ from ..checkpoint import CheckpointError, check_tensors
 from .audio import AudioEncoder
 from .spec import LiveTalkSpec
 from .vae import StreamingDecoder, WanVAE, encode_image, load_vae
-from .vae_blocks import use_frames_layout
+from .vae_blocks import use_frames_layout, use_fused_norms
 
 PREFIXES = ("vae.", "audio_encoder.", "prompt.", "umt5.")
 
@@ -43,8 +43,11 @@ class SideNets(torch.nn.Module):
     def ready(self) -> "SideNets":
         """After a move to the serving device: the streaming decoder over the moved VAE (in
         the frames layout on a GPU where the VAE's spec asks for it)."""
-        if self.spec.vae.gpu_frames_layout and self.vae.conv2.weight.device.type == "cuda":
-            use_frames_layout(self.vae.decoder)
+        if self.vae.conv2.weight.device.type == "cuda":
+            if self.spec.vae.gpu_frames_layout:
+                use_frames_layout(self.vae.decoder)
+            if self.spec.vae.gpu_fused_norm:
+                use_fused_norms(self.vae)
         self.decoder = StreamingDecoder(self.vae)
         return self
 

@@ -136,17 +136,32 @@ def use_frames_layout(module: nn.Module) -> None:
 
 
 class RMSNorm(nn.Module):
-    """Unit L2 norm over channels, times sqrt(channels) and a learned per-channel gain.
-    `gain_dims` trailing singleton dims on the gain: 3 in the conv blocks, 2 in attention."""
+    """Unit L2 norm over channels, times sqrt(channels) and a learned per-channel gain, and
+    the SiLU that follows it where asked. `gain_dims` trailing singleton dims on the gain: 3
+    in the conv blocks, 2 in attention. `fused` (use_fused_norms): all of it in one op,
+    plugins/channel_norm.py."""
 
     def __init__(self, dim: int, gain_dims: int = 3):
         super().__init__()
         self.scale = dim ** 0.5
         self.gamma = nn.Parameter(torch.ones(dim, *(1,) * gain_dims))
+        self.fused = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x, self.gamma, silu)
         gain = self.gamma.view(-1, *(1,) * (x.dim() - 2))
-        return F.normalize(x, dim=1) * self.scale * gain
+        y = F.normalize(x, dim=1) * self.scale * gain
+        return F.silu(y) if silu else y
+
+
+def use_fused_norms(module: nn.Module) -> None:
+    """Every RMS norm (and its SiLU) under `module` as plugins/channel_norm.py's one op."""
+    from ..plugins import channel_norm
+
+    for m in module.modules():
+        if isinstance(m, RMSNorm):
+            m.fused = channel_norm.select()
 
 
 class ResBlock(nn.Module):
@@ -161,8 +176,8 @@ class ResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         r = self.residual
-        h = r["2"](F.silu(r["0"](x)), state)
-        h = r["6"](F.silu(r["3"](h)), state)
+        h = r["2"](r["0"](x, silu=True), state)
+        h = r["6"](r["3"](h, silu=True), state)
         return h + (x if self.shortcut is None else self.shortcut(x))
 
 
@@ -202,6 +217,17 @@ class Downsample(nn.Module):
         return x
 
 
+def double_space(x: torch.Tensor) -> torch.Tensor:
+    """Nearest 2x in height and width of [1, C, T, H, W] as a 2-D resize of its frames (a
+    view of them either layout; the 3-D resize with a time factor of 1 gives the same values
+    several times slower)."""
+    if x.shape[0] == 1 and x.is_contiguous(memory_format=FRAMES) and not x.is_contiguous():
+        return sequence_of(F.interpolate(frames_of(x), scale_factor=2.0, mode="nearest"))
+    b, c, t, h, w = x.shape
+    y = F.interpolate(x.reshape(b, c * t, h, w), scale_factor=2.0, mode="nearest")
+    return y.view(b, c, t, 2 * h, 2 * w)
+
+
 class Upsample(nn.Module):
     """With `temporal`, first double time: a causal 3-tap conv to twice the channels, read as
     two frames per input frame (a session's frame 0 stays one frame and is not part of that
@@ -217,8 +243,7 @@ class Upsample(nn.Module):
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         if self.temporal:
             x = self._double_time(x, state)
-        x = F.interpolate(x, scale_factor=(1.0, 2.0, 2.0), mode="nearest")
-        return conv2d_frames(self.resample["1"], x)
+        return conv2d_frames(self.resample["1"], double_space(x))
 
     def _double_time(self, x: torch.Tensor, state: StreamState | None) -> torch.Tensor:
         first = None
@@ -256,7 +281,7 @@ class Encoder(nn.Module):
         x = self.conv1(x)
         for m in (*self.downsamples, *self.middle):
             x = m(x)
-        return self.head["2"](F.silu(self.head["0"](x)))
+        return self.head["2"](self.head["0"](x, silu=True))
 
 
 class Decoder(nn.Module):
@@ -287,4 +312,4 @@ class Decoder(nn.Module):
         x = self.conv1(z, state)
         for m in (*self.middle, *self.upsamples):
             x = m(x, state)
-        return self.head["2"](F.silu(self.head["0"](x)), state)
+        return self.head["2"](self.head["0"](x, silu=True), state)
