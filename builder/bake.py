@@ -1,8 +1,9 @@
 """Compile a GPU engine's kernels with Triton's cache pointed into the engine: the rank's
 weights and tables loaded from the engine being built onto the GPU, as charrun loads them;
 the per-shape GEMM plan measured on them; a warm-up session with that plan (session start,
-filling, calibration, steady and reset graphs); for a TP engine, the fused GEMM +
-all-reduce kernels of every rank.
+filling, calibration, steady and reset graphs); for rank 0 (the process that runs the side
+networks) one call of each side network at every shape a session runs (their kernels: the
+decoder's fused norms); for a TP engine, the fused GEMM + all-reduce kernels of every rank.
 
 Run by build() in a fresh process (`python -m charengine.builder.bake DIR RANK`), so that
 nothing compiled earlier in the builder's process hides a kernel from the engine's cache.
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 from charengine import fp8
 from charengine.assemble import rank_session
 from charengine.config import config_from_dict
-from charengine.engine_format import ADALN, MANIFEST, TRITON_KERNELS, rank_file
+from charengine.engine_format import ADALN, MANIFEST, SIDE, TRITON_KERNELS, rank_file
 from charengine.family import family_of
 from charengine.kernel_cache import KernelCache
 from charengine.plugins import gemm, quack_gemm
@@ -63,6 +64,14 @@ def compile_exchange(cfg, state: dict) -> None:
     torch.cuda.synchronize()
 
 
+def warm_up_side(cfg, engine: Path) -> None:
+    """The engine's side networks on this GPU, as charrun loads them, through the family's
+    side warm-up (every shape a session runs them at)."""
+    fam, dev = family_of(cfg), torch.device("cuda")
+    side = fam.load_side(cfg.model, load_file(str(engine / SIDE), device="cuda"), dev)
+    fam.warm_up_side(side, cfg.model, dev)
+
+
 def bake(engine: Path, rank: int) -> dict:
     manifest = json.loads((engine / MANIFEST).read_text())
     cfg = config_from_dict(manifest["config"])
@@ -76,6 +85,8 @@ def bake(engine: Path, rank: int) -> dict:
         session = rank_session(cfg, state, mapping, tables=tables, gemm_plan=plan,
                                graphed=True)
         steps = family_of(cfg).warm_up(session)
+        if rank == 0:
+            warm_up_side(cfg, engine)
         compile_exchange(cfg, state)
     return {"rank": rank, "steps": steps, "seconds": round(time.perf_counter() - t0, 2),
             "gemm_plan": plan, "gemm_us": times,
