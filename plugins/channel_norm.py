@@ -25,12 +25,14 @@ def reference(x: torch.Tensor, gain: torch.Tensor, silu: bool) -> torch.Tensor:
 
 
 def triton_channel_norm(x: torch.Tensor, gain: torch.Tensor, silu: bool) -> torch.Tensor:
-    """The kernel; arguments and result as `reference` (x contiguous, or channels-last with
-    batch 1), the result laid out as x."""
+    """The kernel; arguments and result as `reference`, the result laid out as x where x is
+    contiguous or channels-last with batch 1 (any other x is made contiguous first)."""
     import triton
 
     from .kernels.channel_norm import channel_norm_cf_kernel, channel_norm_cl_kernel
 
+    if not (x.is_contiguous() or (x.shape[0] == 1 and x[0].movedim(0, -1).is_contiguous())):
+        x = x.contiguous()
     C = x.shape[1]
     positions = x[0, 0].numel()
     gain = gain.reshape(C).contiguous()
@@ -40,9 +42,7 @@ def triton_channel_norm(x: torch.Tensor, gain: torch.Tensor, silu: bool) -> torc
         channel_norm_cf_kernel[grid](x, gain, out, C, positions, C ** 0.5, NORM_FLOOR, SILU=silu,
                                      BLOCK_C=CF_BLOCK_C, BLOCK_P=CF_BLOCK_P, num_warps=4)
         return out
-    if x.shape[0] != 1 or not x[0].movedim(0, -1).is_contiguous() or out.stride() != x.stride():
-        raise ValueError("channel_norm: x must be contiguous or channels-last with batch 1")
-    rows = positions
+    rows = positions  # channels-last: one row of C per position (out is laid out as x)
     grid = (triton.cdiv(rows, CL_ROWS),)
     channel_norm_cl_kernel[grid](x, gain, out, C, rows, C ** 0.5, NORM_FLOOR, SILU=silu,
                                  ROWS=CL_ROWS, BLOCK_C=triton.next_power_of_2(C), num_warps=4)
