@@ -66,7 +66,9 @@ def compile_exchange(cfg, state: dict) -> None:
 
 def warm_up_side(cfg, engine: Path) -> None:
     """The engine's side networks on this GPU, as charrun loads them, through the family's
-    side warm-up (every shape a session runs them at)."""
+    side warm-up (every shape a session runs them at). For a family whose side networks run
+    no Triton kernel (the characters family's) this compiles nothing and costs a few seconds
+    of build."""
     fam, dev = family_of(cfg), torch.device("cuda")
     side = fam.load_side(cfg.model, load_file(str(engine / SIDE), device="cuda"), dev)
     fam.warm_up_side(side, cfg.model, dev)

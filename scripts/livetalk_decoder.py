@@ -17,6 +17,7 @@ name, ms per steady piece), and compared with the plain arm's frames.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections import defaultdict
@@ -60,6 +61,8 @@ def main():
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     spec, dev = PRESETS[args.preset], torch.device("cuda")
+    plain = dataclasses.replace(spec, vae=dataclasses.replace(
+        spec.vae, gpu_frames_layout=False, gpu_fused_norm=False))
     state = random_side_state(spec, args.seed)
     g = torch.Generator().manual_seed(args.seed)
     lat = [torch.randn(spec.latent_channels, 1, spec.latent_h, spec.latent_w,
@@ -68,10 +71,7 @@ def main():
     results, ref = {}, None
     with torch.inference_mode():
         for name in args.arms.split(","):
-            side = load_side(spec, state, dev)
-            for m in side.vae.modules():  # the arm's choices alone, whatever the spec's
-                if hasattr(m, "fused"):
-                    m.fused = None
+            side = load_side(plain, state, dev)  # every VAE switch off, then the arm's
             for use in ARMS[name]:
                 use(side.vae.decoder)
             dec = side.decoder

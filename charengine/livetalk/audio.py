@@ -181,9 +181,13 @@ class AudioEncoder(torch.nn.Module):
         if model is None:
             from .wav2vec2 import Wav2Vec2
 
-            model = Wav2Vec2(spec)
-            if seed is not None:
-                model.load_state_dict(random_wav2vec_state(spec, seed))
+            if seed is None:
+                with torch.random.fork_rng(devices=[]):  # torch's own init: the global
+                    model = Wav2Vec2(spec)                # generator left as it was
+            else:
+                with torch.device("meta"):
+                    model = Wav2Vec2(spec)
+                model.load_state_dict(random_wav2vec_state(spec, seed), assign=True)
         self.model = model
         self.eval()
 

@@ -234,8 +234,10 @@ class ChunkCache:
 
     def _calibrate_block(self, b: int, n: int, margin: float) -> None:
         """Block b's scales from its first n slots, and those slots quantized, by the fused
-        kernels (fused_calibration): the same bytes as the ops above. With shared stores a
-        block whose FP8 bytes reach into its own wide bytes is copied out first."""
+        kernels (fused_calibration): the ops above's bytes in those slots (they also quantize
+        the wide cache's slots past n, which every chunk writes before it reads them). With
+        shared stores a block whose FP8 bytes reach into its own wide bytes is copied out
+        first."""
         k, v = self.k[b:b + 1, :, :n], self.v[b:b + 1, :, :n]
         if self.shared and (b + 1) * self.k8[b].nbytes > b * self.k[b].nbytes:
             k, v = k.clone(), v.clone()

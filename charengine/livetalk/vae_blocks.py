@@ -61,6 +61,8 @@ FRAMES = torch.channels_last_3d  # the frames layout's memory format
 def frames_of(x: torch.Tensor) -> torch.Tensor:
     """One sequence [1, C, T, H, W] in the frames layout as 2-D frames [T, C, H, W]
     (channels-last): a view."""
+    if x.shape[0] != 1:
+        raise ValueError(f"the frames layout decodes one sequence at a time, got {x.shape[0]}")
     return x.contiguous(memory_format=FRAMES)[0].transpose(0, 1)
 
 
@@ -94,7 +96,8 @@ class CausalConv3d(nn.Conv3d):
     def __init__(self, cin: int, cout: int, kernel: int | tuple[int, int, int]):
         k = (kernel,) * 3 if isinstance(kernel, int) else tuple(kernel)
         super().__init__(cin, cout, k, padding=(0, k[1] // 2, k[2] // 2))
-        self.frames_weight: torch.Tensor | None = None  # set by use_frames_layout
+        # set by use_frames_layout; a buffer, so that a move or cast moves it with the weight
+        self.register_buffer("frames_weight", None, persistent=False)
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         n = self.kernel_size[0] - 1
@@ -109,7 +112,7 @@ class CausalConv3d(nn.Conv3d):
                 past.copy_(x[:, :, -n:])
         if self.frames_weight is None:
             return super().forward(x)
-        t = x.contiguous(memory_format=FRAMES)[0].permute(1, 2, 3, 0)  # [T + n, H, W, C]
+        t = frames_of(x).permute(0, 2, 3, 1)  # [T + n, H, W, C], contiguous
         frames = t.shape[0] - n
         taps = torch.cat([t[i:i + frames] for i in range(n + 1)], dim=-1) if n else t
         y = F.conv2d(taps.permute(0, 3, 1, 2), self.frames_weight, self.bias,
@@ -132,7 +135,7 @@ def use_frames_layout(module: nn.Module) -> None:
                 else:
                     view = fw
                 m.weight.data = view
-                m.frames_weight = fw
+                m.register_buffer("frames_weight", fw, persistent=False)
 
 
 class RMSNorm(nn.Module):
