@@ -43,3 +43,10 @@ def rms_norm_width(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     (LiveTalk's q/k norm across all heads, in its own order)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def channel_rms_norm(x: torch.Tensor, gain: torch.Tensor, silu: bool) -> torch.Tensor:
+    """The Wan VAE's RMS norm: x [B, C, ...] over unit L2 norm across C (F.normalize), times
+    sqrt(C) and a per-channel gain, then SiLU where asked; each op in x's dtype."""
+    y = F.normalize(x, dim=1) * x.shape[1] ** 0.5 * gain.view(-1, *(1,) * (x.dim() - 2))
+    return F.silu(y) if silu else y

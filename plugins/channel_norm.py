@@ -9,19 +9,14 @@ side by side (channels-last: a row per position)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from charengine.ops import channel_rms_norm as reference
 
 from . import registry
 
 NORM_FLOOR = 1e-12  # F.normalize's eps
 CF_BLOCK_C, CF_BLOCK_P = 32, 128  # channels-first tile (channels x positions)
 CL_ROWS = 16  # channels-last: positions per program
-
-
-def reference(x: torch.Tensor, gain: torch.Tensor, silu: bool) -> torch.Tensor:
-    """The plain path: the VAE's ops as they run unfused (in x's dtype)."""
-    y = F.normalize(x, dim=1) * x.shape[1] ** 0.5 * gain.view(-1, *(1,) * (x.dim() - 2))
-    return F.silu(y) if silu else y
 
 
 def triton_channel_norm(x: torch.Tensor, gain: torch.Tensor, silu: bool) -> torch.Tensor:

@@ -25,6 +25,7 @@ import math
 import torch
 
 from .. import fp8
+from ..plugins import calibrate, delta_rotation
 from .rope import ChunkRope, rotate_temporal
 
 
@@ -84,8 +85,6 @@ class ChunkCache:
         self.positions = torch.zeros(self.F, dtype=torch.long, device=dev)
         self.rope = ChunkRope(spec, dev)
         self.text_k = self.text_v = None  # [blocks, heads, prompt_tokens, head_dim]
-        from ..plugins import calibrate, delta_rotation
-
         self.calibrate_fp8 = calibrate.select() if sw.fused_calibration else None
         self.rotate_fp8 = delta_rotation.select() if sw.fused_delta_rotation else None
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import channel_rms_norm
+
 
 class StreamState:
     """A decode session: the last input frames of every temporal conv (allocated on first use,
@@ -140,22 +142,16 @@ def use_frames_layout(module: nn.Module) -> None:
 
 class RMSNorm(nn.Module):
     """Unit L2 norm over channels, times sqrt(channels) and a learned per-channel gain, and
-    the SiLU that follows it where asked. `gain_dims` trailing singleton dims on the gain: 3
-    in the conv blocks, 2 in attention. `fused` (use_fused_norms): all of it in one op,
-    plugins/channel_norm.py."""
+    the SiLU that follows it where asked (ops.channel_rms_norm). `gain_dims` trailing
+    singleton dims on the gain: 3 in the conv blocks, 2 in attention."""
 
     def __init__(self, dim: int, gain_dims: int = 3):
         super().__init__()
-        self.scale = dim ** 0.5
         self.gamma = nn.Parameter(torch.ones(dim, *(1,) * gain_dims))
-        self.fused = None
+        self.norm = channel_rms_norm  # use_fused_norms: plugins/channel_norm.py's one op
 
     def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
-        if self.fused is not None:
-            return self.fused(x, self.gamma, silu)
-        gain = self.gamma.view(-1, *(1,) * (x.dim() - 2))
-        y = F.normalize(x, dim=1) * self.scale * gain
-        return F.silu(y) if silu else y
+        return self.norm(x, self.gamma, silu)
 
 
 def use_fused_norms(module: nn.Module) -> None:
@@ -164,7 +160,7 @@ def use_fused_norms(module: nn.Module) -> None:
 
     for m in module.modules():
         if isinstance(m, RMSNorm):
-            m.fused = channel_norm.select()
+            m.norm = channel_norm.select()
 
 
 class ResBlock(nn.Module):
