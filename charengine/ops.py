@@ -45,8 +45,33 @@ def rms_norm_width(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
+def stacked_taps(past: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A causal n+1-tap temporal conv's input as one 2-D conv takes it: frames x [F, H, W, C]
+    after their n past frames past [n, H, W, C] -> [F, H, W, (n + 1) C], output frame f's
+    taps (frames f .. f + n of the two, oldest first) side by side on the channels."""
+    t = torch.cat([past, x])
+    n, frames = past.shape[0], x.shape[0]
+    return torch.cat([t[i:i + frames] for i in range(n + 1)], dim=-1)
+
+
 def channel_rms_norm(x: torch.Tensor, gain: torch.Tensor, silu: bool) -> torch.Tensor:
     """The Wan VAE's RMS norm: x [B, C, ...] over unit L2 norm across C (F.normalize), times
     sqrt(C) and a per-channel gain, then SiLU where asked; each op in x's dtype."""
     y = F.normalize(x, dim=1) * x.shape[1] ** 0.5 * gain.view(-1, *(1,) * (x.dim() - 2))
     return F.silu(y) if silu else y
+
+
+def channel_norm_taps(x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None,
+                      past: torch.Tensor, silu: bool) -> torch.Tensor:
+    """Pixel rows x [F, H, W, C] (plus a per-channel bias, if given) through
+    `channel_rms_norm` (and SiLU), as the stacked taps of a causal conv after past [n, H, W, C]
+    (`stacked_taps`); past becomes the last n frames of the two, in place."""
+    if bias is not None:
+        x = x + bias
+    y = channel_rms_norm(x.permute(3, 0, 1, 2)[None], gain, silu)[0].permute(1, 2, 3, 0)
+    taps = stacked_taps(past, y)
+    n = past.shape[0]
+    if n:
+        past.copy_(torch.cat([past, y])[-n:])
+    return taps
+

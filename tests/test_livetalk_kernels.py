@@ -122,3 +122,26 @@ def test_channel_norm_matches_reference(shape, layout, silu):
     assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7 + 2.0 ** -8).all()
     plain = channel_norm.reference(x, gain, silu)  # the bf16 path the kernel replaces
     assert (got.float() - want).abs().mean() <= (plain.float() - want).abs().mean()
+
+
+@pytest.mark.parametrize("frames,n,C,H,W", [(4, 2, 96, 64, 64), (1, 2, 384, 16, 16),
+                                            (2, 2, 192, 8, 8), (3, 2, 37, 5, 7), (2, 0, 40, 3, 3)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_channel_norm_taps_matches_reference(frames, n, C, H, W, bias):
+    """The taps kernel against ops.channel_norm_taps in fp32: every tap slot (the past
+    frames' slots copied, the new frames' written by the kernel, into memory that held other
+    tensors: a slot left unwritten would show) and the past left behind, within two bf16
+    units; consecutive calls carry the past as the reference does."""
+    g = torch.Generator(device=DEV).manual_seed(C + frames)
+    gain = (torch.randn(C, 1, 1, 1, device=DEV, generator=g) * 0.3 + 1).to(torch.bfloat16)
+    b = (torch.randn(C, device=DEV, generator=g)).to(torch.bfloat16) if bias else None
+    past = (torch.randn(n, H, W, C, device=DEV, generator=g)).to(torch.bfloat16)
+    want_past = past.float()
+    for call in range(3):
+        x = (torch.randn(frames, H, W, C, device=DEV, generator=g) * 3 + 0.5).to(torch.bfloat16)
+        want = channel_norm.taps_reference(x.float(), gain.float(),
+                                           None if b is None else b.float(), want_past, True)
+        got = channel_norm.triton_channel_norm_taps(x, gain, b, past, True)
+        assert got.shape == (frames, H, W, (n + 1) * C) and got.dtype == torch.bfloat16
+        assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7 + 2.0 ** -8).all(), call
+        assert ((past.float() - want_past).abs() <= want_past.abs() * 2.0 ** -7 + 2.0 ** -8).all()

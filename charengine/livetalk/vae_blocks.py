@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import channel_rms_norm
+from ..ops import channel_norm_taps, channel_rms_norm, stacked_taps
 
 
 class StreamState:
@@ -38,16 +38,13 @@ class StreamState:
             t.zero_()
         self.started = False
 
-    def history(self, conv: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
-        """`conv`'s n past input frames for input `x` (zeros at a session's start; laid out
-        as x is)."""
-        want = (x.shape[0], x.shape[1], n, *x.shape[3:])
+    def history(self, conv: nn.Module, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """`conv`'s past input frames, a tensor of `shape` in `like`'s dtype and device (zeros
+        at a session's start)."""
         past = self.past.get(conv)
-        if past is None or past.shape != want or past.dtype != x.dtype or past.device != x.device:
-            past = x.new_zeros(want)
-            if getattr(conv, "frames_weight", None) is not None:
-                past = past.contiguous(memory_format=FRAMES)
-            self.past[conv] = past
+        if past is None or past.shape != shape or past.dtype != like.dtype \
+                or past.device != like.device:
+            past = self.past[conv] = like.new_zeros(shape)
         return past
 
 
@@ -71,6 +68,26 @@ def frames_of(x: torch.Tensor) -> torch.Tensor:
 def sequence_of(y: torch.Tensor) -> torch.Tensor:
     """Frames [T, C, H, W] (channels-last) as the sequence [1, C, T, H, W]: a view."""
     return y.transpose(0, 1)[None]
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """One sequence [1, C, T, H, W] as its frames' pixel rows [T, H, W, C], contiguous (a view
+    of a sequence in the frames layout)."""
+    return frames_of(x).permute(0, 2, 3, 1)
+
+
+def sequence_of_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Pixel rows [T, H, W, C] (contiguous) as the sequence [1, C, T, H, W] in the frames
+    layout: a view."""
+    return rows.permute(3, 0, 1, 2)[None]
+
+
+def cat_time(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[1, C, Ta, H, W] and [1, C, Tb, H, W] one after the other in time, in the layout of
+    `b` (torch.cat of two frames-layout tensors would give a channels-first one)."""
+    if b.shape[0] == 1 and b.is_contiguous(memory_format=FRAMES) and not b.is_contiguous():
+        return sequence_of_rows(torch.cat([rows_of(a), rows_of(b)]))
+    return torch.cat([a, b], dim=2)
 
 
 def frames_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -104,21 +121,52 @@ class CausalConv3d(nn.Conv3d):
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         n = self.kernel_size[0] - 1
         if self.frames_weight is not None:
-            x = x.contiguous(memory_format=FRAMES)
+            return self._frames_forward(x, state, n)
         if n:
             if state is None:
                 x = F.pad(x, (0, 0, 0, 0, n, 0))
             else:
-                past = state.history(self, x, n)
+                past = state.history(self, x, (x.shape[0], x.shape[1], n, *x.shape[3:]))
                 x = torch.cat([past, x], dim=2)
                 past.copy_(x[:, :, -n:])
+        return super().forward(x)
+
+    def after_norm(self, norm: "RMSNorm", x: torch.Tensor, state: StreamState | None = None,
+                   bias: torch.Tensor | None = None, own_bias: bool = True) -> torch.Tensor:
+        """self(SiLU(norm(x + bias)), state): `bias` a per-channel bias the conv before left
+        out (own_bias=False leaves this conv's out the same way, for the norm after it). In
+        the frames layout the norm's taps op writes its output straight into this conv's
+        stacked taps and past frames (RMSNorm.taps)."""
         if self.frames_weight is None:
-            return super().forward(x)
-        t = frames_of(x).permute(0, 2, 3, 1)  # [T + n, H, W, C], contiguous
-        frames = t.shape[0] - n
-        taps = torch.cat([t[i:i + frames] for i in range(n + 1)], dim=-1) if n else t
-        y = F.conv2d(taps.permute(0, 3, 1, 2), self.frames_weight, self.bias,
-                     padding=self.padding[1:])
+            if not own_bias:
+                raise ValueError("a conv leaves its bias out only in the frames layout")
+            if bias is not None:
+                x = x + bias.view(-1, *(1,) * (x.dim() - 2))
+            return self(norm(x, silu=True), state)
+        t = rows_of(x)
+        past = self._past(t, state)
+        return self._conv_taps(norm.taps(t, norm.gamma, bias, past, True), own_bias)
+
+    def _past(self, t: torch.Tensor, state: StreamState | None) -> torch.Tensor:
+        """The frames layout's past input frames [n, H, W, C] for pixel rows t [T, H, W, C]
+        (zeros, not kept, for a whole sequence)."""
+        shape = (self.kernel_size[0] - 1, *t.shape[1:])
+        return t.new_zeros(shape) if state is None else state.history(self, t, shape)
+
+    def _frames_forward(self, x: torch.Tensor, state: StreamState | None, n: int) -> torch.Tensor:
+        """The frames layout: the taps stacked from whole contiguous frames [T, H, W, C] (a
+        time concatenation of channels-last 5-D tensors would come out channels-first)."""
+        t = rows_of(x)
+        past = self._past(t, state)
+        taps = stacked_taps(past, t)
+        if n:
+            past.copy_(torch.cat([past, t])[-n:])
+        return self._conv_taps(taps)
+
+    def _conv_taps(self, taps: torch.Tensor, own_bias: bool = True) -> torch.Tensor:
+        """The frames layout's 2-D conv over stacked taps [F, H, W, (n + 1) C]."""
+        y = F.conv2d(taps.permute(0, 3, 1, 2), self.frames_weight,
+                     self.bias if own_bias else None, padding=self.padding[1:])
         return sequence_of(y)
 
 
@@ -149,6 +197,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.gamma = nn.Parameter(torch.ones(dim, *(1,) * gain_dims))
         self.norm = channel_rms_norm  # use_fused_norms: plugins/channel_norm.py's one op
+        # the norm written as a causal conv's stacked taps (CausalConv3d.after_norm in the
+        # frames layout); use_fused_norms: plugins/channel_norm.py's taps op
+        self.taps = channel_norm_taps
 
     def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
         return self.norm(x, self.gamma, silu)
@@ -161,6 +212,7 @@ def use_fused_norms(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, RMSNorm):
             m.norm = channel_norm.select()
+            m.taps = channel_norm.select_taps()
 
 
 class ResBlock(nn.Module):
@@ -175,8 +227,10 @@ class ResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         r = self.residual
-        h = r["2"](r["0"](x, silu=True), state)
-        h = r["6"](r["3"](h, silu=True), state)
+        # in the frames layout the first conv's bias goes into the norm after it
+        fold = r["2"].frames_weight is not None
+        h = r["2"].after_norm(r["0"], x, state, own_bias=not fold)
+        h = r["6"].after_norm(r["3"], h, state, bias=r["2"].bias if fold else None)
         return h + (x if self.shortcut is None else self.shortcut(x))
 
 
@@ -251,9 +305,13 @@ class Upsample(nn.Module):
             if x.shape[2] == 0:
                 return first
         b, c, t, h, w = x.shape
-        y = self.time_conv(x, state).view(b, 2, c, t, h, w)
-        x = y.permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * t, h, w)
-        return x if first is None else torch.cat([first, x], dim=2)
+        y = self.time_conv(x, state)
+        if self.time_conv.frames_weight is not None:  # rows [t, h, w, 2, c] -> [t, 2, h, w, c]
+            rows = rows_of(y).view(t, h, w, 2, c).permute(0, 3, 1, 2, 4)
+            x = sequence_of_rows(rows.reshape(2 * t, h, w, c))
+        else:
+            x = y.view(b, 2, c, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * t, h, w)
+        return x if first is None else cat_time(first, x)
 
 
 class Encoder(nn.Module):
@@ -311,4 +369,4 @@ class Decoder(nn.Module):
         x = self.conv1(z, state)
         for m in (*self.middle, *self.upsamples):
             x = m(x, state)
-        return self.head["2"](self.head["0"](x, silu=True), state)
+        return self.head["2"].after_norm(self.head["0"], x, state)

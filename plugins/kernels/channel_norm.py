@@ -48,3 +48,34 @@ def channel_norm_cl_kernel(x_ptr, g_ptr, y_ptr, C, R, scale, floor, SILU: tl.con
     if SILU:
         y = y * tl.sigmoid(y)
     tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def channel_norm_taps_kernel(x_ptr, g_ptr, b_ptr, taps_ptr, past_ptr, F, P, C, scale, floor,
+                             N: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (position tile, frame j) of pixel rows x [F, P, C]: each row (plus the bias)
+    normalized in registers, then stored as tap i of output frame N + j - i of the taps
+    [F, P, (N + 1) C] for each i where that frame exists, and as past frame j - (F - N)
+    where that is one of the newest N."""
+    j = tl.program_id(1)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_c = tl.arange(0, BLOCK_C)
+    m = (rows[:, None] < P) & (offs_c[None, :] < C)
+    x = tl.load(x_ptr + (j * P + rows[:, None]).to(tl.int64) * C + offs_c[None, :], mask=m,
+                other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(b_ptr + offs_c, mask=offs_c < C, other=0.0).to(tl.float32)[None, :]
+    inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), floor)
+    g = tl.load(g_ptr + offs_c, mask=offs_c < C, other=0.0).to(tl.float32)
+    y = x * inv[:, None] * g[None, :]
+    if SILU:
+        y = y * tl.sigmoid(y)
+    y = y.to(taps_ptr.dtype.element_ty)
+    for i in tl.static_range(N + 1):
+        f = N + j - i
+        at = (f * P + rows[:, None]).to(tl.int64) * ((N + 1) * C) + i * C + offs_c[None, :]
+        tl.store(taps_ptr + at, y, mask=m & (f >= 0) & (f < F))
+    k = j - (F - N)
+    tl.store(past_ptr + (k * P + rows[:, None]).to(tl.int64) * C + offs_c[None, :], y,
+             mask=m & (k >= 0))
