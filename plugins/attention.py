@@ -61,19 +61,47 @@ class AttentionTiles:
     # the softmax in fewer instructions per score (kernels/attention.py, _softmax_fma);
     # faster at the rank slice (docs/PERFORMANCE.md, the kernels' table)
     fma: bool = True
+    # with TMA: resident programs per SM the grid is planned for (0: one program per query
+    # tile). Where the tiles leave the GPU's last round part-empty, that round's tiles are
+    # split over their keys to fill it, and a second kernel merges the parts (`split_plan`)
+    split_ctas_per_sm: int = 0
+    max_registers: int = 0  # registers per thread the compiler may use (0: its own choice)
 
     def spec(self) -> str:
         """The text `parse` reads back."""
         return (f"{self.block_m},{self.block_n},{self.warps},{self.stages},"
                 f"{'fp8' if self.p_fp8 else 'bf16'},{'tma' if self.tma else 'ptr'}"
-                + (",fma" if self.fma else ""))
+                + (",fma" if self.fma else "")
+                + (f",split{self.split_ctas_per_sm}" if self.split_ctas_per_sm else "")
+                + (f",reg{self.max_registers}" if self.max_registers else ""))
 
     @classmethod
     def parse(cls, text: str) -> "AttentionTiles":
-        """'128,128,8,3,bf16,tma[,fma]' -> AttentionTiles (the last two fields optional)."""
+        """'128,128,8,3,bf16,tma[,fma][,splitN][,regN]' -> AttentionTiles (the fields after
+        the fourth optional)."""
         f = text.split(",")
+        flags = f[6:]
+        number = {flag.rstrip("0123456789"): int(flag[len(flag.rstrip("0123456789")):])
+                  for flag in flags if flag[-1:].isdigit()}
         return cls(int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4] == "fp8",
-                   len(f) > 5 and f[5] == "tma", len(f) > 6 and f[6] == "fma")
+                   len(f) > 5 and f[5] == "tma", "fma" in flags, number.get("split", 0),
+                   number.get("reg", 0))
+
+
+# LiveTalk-1.3B's attention (12 heads x 3,072 queries over 15,360 keys): 576 tiles of 64
+# queries; at 2 stages and at most 168 registers three programs fit an SM (396 on an H200),
+# so one round of whole tiles, then the other 180 in two key halves (docs/PERFORMANCE.md)
+SPLIT_TILES = AttentionTiles(stages=2, split_ctas_per_sm=3, max_registers=168)
+
+
+def split_plan(tiles: int, key_tiles: int, slots: int) -> tuple[int, int]:
+    """(whole, parts): the first `whole` tiles (whole rounds of `slots` programs) run alone,
+    each of the others in `parts` key ranges so that they fill the last round; (tiles, 1)
+    where the tiles fill their rounds or a split would not fit."""
+    whole = tiles // slots * slots
+    rest = tiles - whole
+    parts = min(key_tiles, slots // rest) if rest else 1
+    return (whole, parts) if parts > 1 else (tiles, 1)
 
 
 def triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
@@ -116,19 +144,39 @@ def _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, amax, tiles,
 
     from .kernels.attention import attention_tma_kernel
 
-    _, T, D = q8.shape
+    H, T, D = q8.shape
     S = k8.shape[1]
     bm, bn = tiles.block_m, tiles.block_n
     v_t = v8.stride(1) == 1  # [H, D, S] in memory
     vd = v8.transpose(1, 2) if v_t else v8
-    attention_tma_kernel[grid](
-        TensorDescriptor(q8, list(q8.shape), list(q8.stride()), [1, bm, D]), q_scale,
-        TensorDescriptor(k8, list(k8.shape), list(k8.stride()), [1, bn, D]),
-        TensorDescriptor(vd, list(vd.shape), list(vd.stride()), [1, D, bn] if v_t else [1, bn, D]),
-        ks, vs, out, out if amax is None else amax, T, S, sm_scale_log2, out.stride(0), D=D,
-        BLOCK_M=bm, BLOCK_N=bn, P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE,
-        LOG2_P_SCALE=LOG2_P_SCALE, FMA=tiles.fma, AMAX=amax is not None,
-        num_warps=tiles.warps, num_stages=tiles.stages)
+    descs = (TensorDescriptor(q8, list(q8.shape), list(q8.stride()), [1, bm, D]), q_scale,
+             TensorDescriptor(k8, list(k8.shape), list(k8.stride()), [1, bn, D]),
+             TensorDescriptor(vd, list(vd.shape), list(vd.stride()),
+                              [1, D, bn] if v_t else [1, bn, D]), ks, vs, out)
+    consts = dict(D=D, BLOCK_M=bm, BLOCK_N=bn, P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE,
+                  LOG2_P_SCALE=LOG2_P_SCALE, FMA=tiles.fma, num_warps=tiles.warps,
+                  num_stages=tiles.stages)
+    if tiles.max_registers:
+        consts["maxnreg"] = tiles.max_registers
+    whole, parts = grid[0] * H, 1
+    if tiles.split_ctas_per_sm and amax is None:
+        slots = tiles.split_ctas_per_sm * torch.cuda.get_device_properties(
+            q8.device).multi_processor_count
+        whole, parts = split_plan(grid[0] * H, -(-S // bn), slots)
+    if parts == 1:
+        attention_tma_kernel[grid](*descs, out if amax is None else amax, T, S, sm_scale_log2,
+                                   out.stride(0), AMAX=amax is not None, **consts)
+        return out
+    from .kernels.attention import attention_merge_kernel, attention_split_kernel
+
+    rest = grid[0] * H - whole
+    part = torch.empty((rest * parts, bm, D), dtype=torch.float32, device=q8.device)
+    stat = torch.empty((rest * parts, 2, bm), dtype=torch.float32, device=q8.device)
+    attention_split_kernel[(whole + rest * parts,)](
+        *descs, part, stat, T, S, grid[0], whole, parts, sm_scale_log2, out.stride(0),
+        **consts)
+    attention_merge_kernel[(rest,)](part, stat, vs, out, T, grid[0], whole, parts,
+                                    out.stride(0), D=D, BLOCK_M=bm, num_warps=4)
     return out
 
 

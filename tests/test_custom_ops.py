@@ -147,7 +147,22 @@ def test_attention_tiles_read_back_from_their_spec():
     """The op carries its tiles as text: every field survives the round trip, and specs
     written before the optional fields existed still read."""
     for t in (attention.AttentionTiles(), attention.AttentionTiles(128, 64, 8, 2, False, False),
-              attention.AttentionTiles(fma=False)):
+              attention.AttentionTiles(fma=False), attention.SPLIT_TILES,
+              attention.AttentionTiles(split_ctas_per_sm=2),
+              attention.AttentionTiles(max_registers=200)):
         assert attention.AttentionTiles.parse(t.spec()) == t
     old = attention.AttentionTiles.parse("64,128,4,3,fp8")
     assert old == attention.AttentionTiles(tma=False, fma=False) and not old.fma
+
+
+def test_the_split_plan_fills_the_last_round():
+    """LiveTalk's 576 tiles over 396 slots: one round whole, the other 180 in two key halves
+    (360 programs in the second round); tiles that fill their rounds, or leave too few
+    slots to split into, run whole."""
+    assert attention.split_plan(576, 120, 396) == (396, 2)
+    assert attention.split_plan(240, 60, 396) == (240, 1)  # 240 tiles, 396 slots: 1 part
+    assert attention.split_plan(792, 120, 396) == (792, 1)
+    assert attention.split_plan(100, 120, 396) == (0, 3)
+    assert attention.split_plan(100, 2, 396) == (0, 2)  # no more parts than key tiles
+    assert attention.split_plan(300, 120, 264) == (264, 7)
+

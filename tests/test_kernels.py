@@ -466,3 +466,33 @@ def test_pre_attention_writes_a_transposed_value_store():
     assert torch.equal(vt[:, idx].view(torch.uint8), rows[:, idx].view(torch.uint8))
     assert (vt[:, :100].view(torch.uint8) == NAN8).all()
     assert (vt[:, 100 + T:].view(torch.uint8) == NAN8).all()
+
+
+@pytest.mark.parametrize("H,T,S,D", [(12, 3072, 15360, 128), (12, 3072, 15300, 128),
+                                     (5, 200, 333, 32), (3, 37, 150, 64)])
+@pytest.mark.parametrize("fma", [True, False])
+def test_split_attention_matches_the_whole_tiles(H, T, S, D, fma):
+    """The split grid (SPLIT_TILES: the last round's tiles in key ranges, merged) against the
+    reference, and against one program per tile within the FP8 bound; its planned split
+    actually taken at LiveTalk's shape (a ragged key count too)."""
+    g = torch.Generator(device=DEV).manual_seed(H + S)
+    q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=DEV, generator=g))
+    k8 = fp8_tensor((H, S, D), g)
+    vt = fp8_tensor((H, D, S), g).transpose(1, 2)  # the cache's value store, [H, D, S]
+    ks = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.02 + 0.01
+    vs = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.02 + 0.01
+    tiles = attention.AttentionTiles(stages=2, split_ctas_per_sm=3, max_registers=168, fma=fma)
+    slots = 3 * torch.cuda.get_device_properties(DEV).multi_processor_count
+    tile_count = -(-T // tiles.block_m) * H
+    if T == 3072:
+        assert attention.split_plan(tile_count, -(-S // tiles.block_n), slots)[1] > 1
+    ref = attention.reference(q8, qs, k8, vt, ks, vs, torch.float32)
+    out = torch.full((T, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    attention.triton_attention(q8, qs, k8, vt, ks, vs, torch.bfloat16, tiles, out=out)
+    whole = attention.triton_attention(q8, qs, k8, vt, ks, vs, torch.bfloat16,
+                                       attention.AttentionTiles(fma=fma))
+    vmax = (vt.float().abs().amax(dim=(1, 2)) * vs.flatten()).max()
+    assert not out.isnan().any()
+    assert (out.float() - ref).abs().max() <= 2.0 ** -4 * vmax
+    dist = [float((o.float() - ref).norm() / ref.norm()) for o in (out, whole)]
+    assert dist[0] <= 1.05 * dist[1], dist

@@ -53,7 +53,8 @@ class LiveTalkDiT:
         # references on CPU ones) or the plain per-linear quantization
         self.fp8_linears = any(v.dtype == fp8.FP8 for v in self.w.values())
         self.act = act_quant.select() if sw.fused_act_quant else act_quant.plain()
-        self.attend8 = attention.select(self.spec.head_dim)
+        self.attend8 = attention.select(
+            self.spec.head_dim, attention.SPLIT_TILES if sw.split_attention else None)
         self.pre_attention = pre_attention_width.op if sw.fused_pre_attention else None
         self.pre_attention_wide = pre_attention_width.op if sw.fused_wide_pre_attention \
             else None

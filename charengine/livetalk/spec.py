@@ -265,12 +265,16 @@ class LiveTalkSwitches:
     # with fp8_kv: the delta rotation of every block's FP8 window keys in one kernel
     # (plugins/delta_rotation.py), in place, not a block at a time through fp32 temporaries
     fused_delta_rotation: bool = True
+    # with the FP8 attention kernel: its grid planned to fill the GPU's last round of tiles
+    # (those tiles split over their keys, then merged: plugins/attention.SPLIT_TILES), not one
+    # program per tile of 64 queries
+    split_attention: bool = True
 
     ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
              "fp8_kv", "fused_qkv", "fused_act_quant", "gemm_bias", "fused_pre_attention",
              "fused_residual", "fused_gelu_quant", "fused_q_norm", "skip_commit_tail",
              "graph_fill_chunks", "shared_kv_stores", "fused_wide_pre_attention",
-             "fused_calibration", "fused_delta_rotation")
+             "fused_calibration", "fused_delta_rotation", "split_attention")
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":

@@ -170,3 +170,79 @@ def attention_tma_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, 
     out = acc * (tl.load(vs_ptr + h) / l_i)[:, None]
     offs_d = tl.arange(0, D)
     _store(o_ptr, amax_ptr, out, offs_m, offs_d, h, T, stride_ot, D, AMAX)
+
+
+@triton.jit
+def attention_split_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, part_ptr,
+                           stat_ptr, T, S, NT, whole, parts, sm_scale_log2, stride_ot,
+                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           P_FP8: tl.constexpr, V_T: tl.constexpr, P_SCALE: tl.constexpr,
+                           LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr):
+    """attention_tma_kernel over a 1-D grid that fills the GPU's last round: programs
+    [0, whole) each take a whole (query tile, head), tiles head-major; program whole + r
+    takes key range r % parts (whole key tiles) of tile whole + r // parts and leaves its
+    unnormalized accumulator [BLOCK_M, D] in slot r of part_ptr, its row maxima and row sums
+    (both in the accumulator's units, times P_SCALE) in slot r of stat_ptr [., 2, BLOCK_M]
+    for attention_merge_kernel."""
+    pid = tl.program_id(0)
+    r = pid - whole
+    slot = tl.maximum(r, 0)
+    tile = tl.where(r < 0, pid, whole + slot // parts)
+    h = tile // NT
+    off_m = (tile - h * NT) * BLOCK_M
+    key_tiles = tl.cdiv(S, BLOCK_N)
+    part = slot % parts
+    j0 = tl.where(r < 0, 0, part * key_tiles // parts)
+    j1 = tl.where(r < 0, key_tiles, (part + 1) * key_tiles // parts)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([h, off_m, 0]).reshape(BLOCK_M, D)
+    qs = tl.load(qs_ptr + h * T + offs_m, mask=offs_m < T, other=0.0)
+    row_scale = qs * tl.load(ks_ptr + h) * sm_scale_log2
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    full = tl.minimum(j1, S // BLOCK_N) * BLOCK_N
+    for start in range(j0 * BLOCK_N, full, BLOCK_N):
+        acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, start, S,
+                                  D, BLOCK_N, False, P_FP8, V_T, P_SCALE, LOG2_P_SCALE, FMA)
+    if full < tl.minimum(j1 * BLOCK_N, S):  # the ragged last key tile, in its range
+        acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, full, S,
+                                  D, BLOCK_N, True, P_FP8, V_T, P_SCALE, LOG2_P_SCALE, FMA)
+    if not FMA:  # with FMA the row sums carry P_SCALE already
+        l_i = l_i * P_SCALE
+    offs_d = tl.arange(0, D)
+    if r < 0:
+        out = acc * (tl.load(vs_ptr + h) / l_i)[:, None]
+        _store(o_ptr, o_ptr, out, offs_m, offs_d, h, T, stride_ot, D, False)
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        tl.store(part_ptr + slot.to(tl.int64) * (BLOCK_M * D) + rows[:, None] * D
+                 + offs_d[None, :], acc)
+        tl.store(stat_ptr + slot * (2 * BLOCK_M) + rows, m_i)
+        tl.store(stat_ptr + slot * (2 * BLOCK_M) + BLOCK_M + rows, l_i)
+
+
+@triton.jit
+def attention_merge_kernel(part_ptr, stat_ptr, vs_ptr, o_ptr, T, NT, whole, parts, stride_ot,
+                           D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tile whole + program_id(0) from its parts: the sum of 2^(m_p - m) acc_p over the sum
+    of 2^(m_p - m) l_p (m the largest row maximum), times the head's value scale."""
+    i = tl.program_id(0)
+    tile = whole + i
+    h = tile // NT
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for p in range(parts):
+        m = tl.maximum(m, tl.load(stat_ptr + (i * parts + p) * (2 * BLOCK_M) + rows))
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for p in range(parts):
+        at = (i * parts + p) * (2 * BLOCK_M)
+        w = tl.math.exp2(tl.load(stat_ptr + at + rows) - m)
+        den += w * tl.load(stat_ptr + at + BLOCK_M + rows)
+        acc += w[:, None] * tl.load(part_ptr + (i * parts + p).to(tl.int64) * (BLOCK_M * D)
+                                    + rows[:, None] * D + offs_d[None, :])
+    out = acc * (tl.load(vs_ptr + h) / den)[:, None]
+    _store(o_ptr, o_ptr, out, (tile - h * NT) * BLOCK_M + rows, offs_d, h, T, stride_ot, D,
+           False)
