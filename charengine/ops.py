@@ -75,3 +75,15 @@ def channel_norm_taps(x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | 
         past.copy_(torch.cat([past, y])[-n:])
     return taps
 
+
+def nearest2x_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Frames' pixel rows [T, H, W, C] resized 2x in height and width (nearest) -> [T, 2 H,
+    2 W, C], contiguous."""
+    y = F.interpolate(rows.permute(0, 3, 1, 2), scale_factor=2.0, mode="nearest")
+    return y.permute(0, 2, 3, 1).contiguous()
+
+
+def bias_residual_rows(h: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Pixel rows h [..., C] plus a per-channel bias [C] plus the residual x (as h)."""
+    return h + bias + x
+

@@ -7,8 +7,9 @@ name, ms per steady piece), and compared with the plain arm's frames.
 
   plain         the 3-D convs over [C, T, H, W] and the unfused norms (every switch off)
   fused         + each RMS norm and its SiLU as one kernel (VaeSpec.gpu_fused_norm)
-  frames        the frames layout (VaeSpec.gpu_frames_layout) with the unfused norms
-  frames_fused  the frames layout with the fused norms
+  frames        the frames layout (VaeSpec.gpu_frames_layout: 2-D convs over stacked taps,
+                its resize and block-end kernels) with the unfused norms
+  frames_fused  the frames layout with the fused norms writing the taps (the preset)
 
     python scripts/livetalk_decoder.py --preset livetalk-1.3b \\
         --out docs/results/livetalk/decoder_livetalk-1.3b_h200.json

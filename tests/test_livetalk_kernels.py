@@ -145,3 +145,32 @@ def test_channel_norm_taps_matches_reference(frames, n, C, H, W, bias):
         assert got.shape == (frames, H, W, (n + 1) * C) and got.dtype == torch.bfloat16
         assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7 + 2.0 ** -8).all(), call
         assert ((past.float() - want_past).abs() <= want_past.abs() * 2.0 ** -7 + 2.0 ** -8).all()
+
+
+@pytest.mark.parametrize("shape", [(4, 256, 256, 192), (2, 128, 128, 384), (3, 5, 7, 37)])
+def test_nearest2x_rows_matches_reference(shape):
+    """The resize kernel writes exactly PyTorch's nearest resize (copies, no arithmetic),
+    every output pixel (the output is allocated over memory that held other values)."""
+    from charengine.plugins import upsample
+
+    g = torch.Generator(device=DEV).manual_seed(shape[-1])
+    x = torch.randn(shape, device=DEV, generator=g).to(torch.bfloat16)
+    poison = torch.full((4 * x.numel(),), float("nan"), device=DEV, dtype=torch.bfloat16)
+    del poison  # its memory goes to the output
+    assert torch.equal(upsample.triton_nearest2x_rows(x), upsample.reference(x))
+
+
+@pytest.mark.parametrize("shape", [(4, 512, 512, 96), (1, 64, 64, 384), (3, 5, 7, 37)])
+def test_bias_residual_rows_matches_reference(shape):
+    """The block-end kernel sums in fp32 and rounds once: within one bf16 unit of the sum in
+    fp32, and no farther from it than the reference's two bf16 roundings."""
+    from charengine.plugins import upsample
+
+    g = torch.Generator(device=DEV).manual_seed(shape[-1])
+    h, x = (torch.randn(shape, device=DEV, generator=g).to(torch.bfloat16) for _ in range(2))
+    b = torch.randn(shape[-1], device=DEV, generator=g).to(torch.bfloat16)
+    want = upsample.bias_residual_reference(h.float(), b.float(), x.float())
+    got = upsample.triton_bias_residual_rows(h, b, x)
+    assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -8 + 2.0 ** -24).all()
+    plain = upsample.bias_residual_reference(h, b, x)
+    assert (got.float() - want).abs().mean() <= (plain.float() - want).abs().mean()

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import channel_norm_taps, channel_rms_norm, stacked_taps
+from ..ops import (bias_residual_rows, channel_norm_taps, channel_rms_norm, nearest2x_rows,
+                   stacked_taps)
 
 
 class StreamState:
@@ -118,10 +119,14 @@ class CausalConv3d(nn.Conv3d):
         # set by use_frames_layout; a buffer, so that a move or cast moves it with the weight
         self.register_buffer("frames_weight", None, persistent=False)
 
-    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: StreamState | None = None,
+                own_bias: bool = True) -> torch.Tensor:
+        """The conv (own_bias=False: without its bias, in the frames layout only)."""
         n = self.kernel_size[0] - 1
         if self.frames_weight is not None:
-            return self._frames_forward(x, state, n)
+            return self._frames_forward(x, state, n, own_bias)
+        if not own_bias:
+            raise ValueError("a conv leaves its bias out only in the frames layout")
         if n:
             if state is None:
                 x = F.pad(x, (0, 0, 0, 0, n, 0))
@@ -153,7 +158,8 @@ class CausalConv3d(nn.Conv3d):
         shape = (self.kernel_size[0] - 1, *t.shape[1:])
         return t.new_zeros(shape) if state is None else state.history(self, t, shape)
 
-    def _frames_forward(self, x: torch.Tensor, state: StreamState | None, n: int) -> torch.Tensor:
+    def _frames_forward(self, x: torch.Tensor, state: StreamState | None, n: int,
+                        own_bias: bool) -> torch.Tensor:
         """The frames layout: the taps stacked from whole contiguous frames [T, H, W, C] (a
         time concatenation of channels-last 5-D tensors would come out channels-first)."""
         t = rows_of(x)
@@ -161,7 +167,7 @@ class CausalConv3d(nn.Conv3d):
         taps = stacked_taps(past, t)
         if n:
             past.copy_(torch.cat([past, t])[-n:])
-        return self._conv_taps(taps)
+        return self._conv_taps(taps, own_bias)
 
     def _conv_taps(self, taps: torch.Tensor, own_bias: bool = True) -> torch.Tensor:
         """The frames layout's 2-D conv over stacked taps [F, H, W, (n + 1) C]."""
@@ -173,9 +179,16 @@ class CausalConv3d(nn.Conv3d):
 def use_frames_layout(module: nn.Module) -> None:
     """Run every conv under `module` in the frames layout, for decoding one sequence at a time
     (batch 1). Each conv's weight is laid out once as its 2-D conv takes it, and the weight
-    itself becomes a view of that (the same values, no second copy)."""
+    itself becomes a view of that (the same values, no second copy). The spatial upsamples
+    resize pixel rows with plugins/upsample.py's op."""
+    from ..plugins import upsample
+
     with torch.no_grad():
         for m in module.modules():
+            if isinstance(m, Upsample):
+                m.double_rows = upsample.select()
+            if isinstance(m, ResBlock):
+                m.bias_residual = upsample.select_bias_residual()
             if isinstance(m, (CausalConv3d, nn.Conv2d)):
                 w = m.weight
                 fw = frames_weight(w)
@@ -224,14 +237,25 @@ class ResBlock(nn.Module):
         self.residual = numbered({0: RMSNorm(cin), 2: CausalConv3d(cin, cout, 3),
                                   3: RMSNorm(cout), 6: CausalConv3d(cout, cout, 3)})
         self.shortcut = CausalConv3d(cin, cout, 1) if cin != cout else None
+        # the frames layout's block end (the last conv's bias and the residual, added to its
+        # output in one pass); use_frames_layout: plugins/upsample.py's op
+        self.bias_residual = bias_residual_rows
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         r = self.residual
-        # in the frames layout the first conv's bias goes into the norm after it
-        fold = r["2"].frames_weight is not None
-        h = r["2"].after_norm(r["0"], x, state, own_bias=not fold)
-        h = r["6"].after_norm(r["3"], h, state, bias=r["2"].bias if fold else None)
-        return h + (x if self.shortcut is None else self.shortcut(x))
+        if r["2"].frames_weight is None:
+            h = r["2"].after_norm(r["0"], x, state)
+            h = r["6"].after_norm(r["3"], h, state)
+            return h + (x if self.shortcut is None else self.shortcut(x))
+        # the frames layout: the first conv's bias goes into the norm after it, the last
+        # conv's (and the shortcut's) into the residual add
+        h = r["2"].after_norm(r["0"], x, state, own_bias=False)
+        h = r["6"].after_norm(r["3"], h, state, bias=r["2"].bias, own_bias=False)
+        bias = r["6"].bias
+        if self.shortcut is not None:
+            x = self.shortcut(x, own_bias=False)
+            bias = bias + self.shortcut.bias
+        return sequence_of_rows(self.bias_residual(rows_of(h), bias, rows_of(x)))
 
 
 class FrameAttention(nn.Module):
@@ -271,11 +295,8 @@ class Downsample(nn.Module):
 
 
 def double_space(x: torch.Tensor) -> torch.Tensor:
-    """Nearest 2x in height and width of [1, C, T, H, W] as a 2-D resize of its frames (a
-    view of them either layout; the 3-D resize with a time factor of 1 gives the same values
-    several times slower)."""
-    if x.shape[0] == 1 and x.is_contiguous(memory_format=FRAMES) and not x.is_contiguous():
-        return sequence_of(F.interpolate(frames_of(x), scale_factor=2.0, mode="nearest"))
+    """Nearest 2x in height and width of [B, C, T, H, W] as a 2-D resize of its frames (the
+    3-D resize with a time factor of 1 gives the same values several times slower)."""
     b, c, t, h, w = x.shape
     y = F.interpolate(x.reshape(b, c * t, h, w), scale_factor=2.0, mode="nearest")
     return y.view(b, c, t, 2 * h, 2 * w)
@@ -292,11 +313,17 @@ class Upsample(nn.Module):
         self.resample = numbered({1: nn.Conv2d(dim, dim // 2, 3, padding=1)})
         if temporal:
             self.time_conv = CausalConv3d(dim, 2 * dim, (3, 1, 1))
+        # the frames layout's resize of pixel rows; use_frames_layout: plugins/upsample.py's op
+        self.double_rows = nearest2x_rows
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         if self.temporal:
             x = self._double_time(x, state)
-        return conv2d_frames(self.resample["1"], double_space(x))
+        if getattr(self.resample["1"], "frames_weight", None) is not None:
+            x = sequence_of_rows(self.double_rows(rows_of(x)))
+        else:
+            x = double_space(x)
+        return conv2d_frames(self.resample["1"], x)
 
     def _double_time(self, x: torch.Tensor, state: StreamState | None) -> torch.Tensor:
         first = None
