@@ -89,9 +89,10 @@ class AttentionTiles:
 
 
 # LiveTalk-1.3B's attention (12 heads x 3,072 queries over 15,360 keys): 576 tiles of 64
-# queries; at 2 stages and at most 168 registers three programs fit an SM (396 on an H200),
-# so one round of whole tiles, then the other 180 in two key halves (docs/PERFORMANCE.md)
-SPLIT_TILES = AttentionTiles(stages=2, split_ctas_per_sm=3, max_registers=168)
+# queries, two programs to an SM (264 on an H200): two rounds of whole tiles, then the other
+# 48 in five key ranges; 370 us a call against 428 one program per tile (three programs to an
+# SM at 2 stages and 168 registers measured 382 us; docs/PERFORMANCE.md)
+SPLIT_TILES = AttentionTiles(split_ctas_per_sm=2)
 
 
 def split_plan(tiles: int, key_tiles: int, slots: int) -> tuple[int, int]:

@@ -156,9 +156,10 @@ def test_attention_tiles_read_back_from_their_spec():
 
 
 def test_the_split_plan_fills_the_last_round():
-    """LiveTalk's 576 tiles over 396 slots: one round whole, the other 180 in two key halves
-    (360 programs in the second round); tiles that fill their rounds, or leave too few
+    """LiveTalk's 576 tiles over 264 slots: two rounds whole, the other 48 in five key
+    ranges (240 programs in the third round); tiles that fill their rounds, or leave too few
     slots to split into, run whole."""
+    assert attention.split_plan(576, 120, 264) == (528, 5)
     assert attention.split_plan(576, 120, 396) == (396, 2)
     assert attention.split_plan(240, 60, 396) == (240, 1)  # 240 tiles, 396 slots: 1 part
     assert attention.split_plan(792, 120, 396) == (792, 1)
