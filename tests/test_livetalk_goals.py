@@ -1,0 +1,26 @@
+"""scripts/livetalk_goals.py over the committed raw results gives the committed goals file:
+the figures docs/PERFORMANCE.md quotes follow from their sources, and a goal's verdict from
+its figure."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results" / "livetalk"
+
+
+def test_goals_follow_from_the_raw_results(tmp_path):
+    committed = json.loads((RESULTS / "goals_livetalk-1.3b_h200_d267961.json").read_text())
+    src = committed["sources"]
+    out = tmp_path / "goals.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "livetalk_goals.py"),
+                    "--profile", str(RESULTS / src["profile"]),
+                    "--latency", *(str(RESULTS / p) for p in src["latency"]),
+                    "--startup", str(RESULTS / src["startup"]),
+                    "--decoder", str(RESULTS / src["decoder"]), "--out", str(out)],
+                   check=True, capture_output=True)
+    assert json.loads(out.read_text()) == committed
+    assert committed["goals"]["capacity_fps"]["met"] == (committed["capacity_fps"] >= 60.0)
+    assert not committed["goals"]["diffusion_p50_ms"]["met"]  # 120.5 ms against 105
