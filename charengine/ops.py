@@ -86,4 +86,3 @@ def nearest2x_rows(rows: torch.Tensor) -> torch.Tensor:
 def bias_residual_rows(h: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Pixel rows h [..., C] plus a per-channel bias [C] plus the residual x (as h)."""
     return h + bias + x
-

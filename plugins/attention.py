@@ -9,7 +9,10 @@ small probabilities normal); the row sum uses the unquantized p.
 
 The grid is (query tiles, heads): at 20 heads x 757 queries, 64-row tiles give 240 programs
 over the H200's 132 SMs (128-row tiles would leave 12 idle). The tile sizes are an
-`AttentionTiles`, chosen per shape by scripts/bench_kernels.py.
+`AttentionTiles`, chosen per shape by scripts/bench_kernels.py. Where the tiles would leave
+the GPU's last round part-empty (LiveTalk's 576 tiles over 264 resident programs), the split
+grid (`AttentionTiles.split_ctas_per_sm`, TMA and no output maxima only) runs the whole
+rounds' tiles whole and the others in key ranges, which a second kernel merges.
 """
 
 from __future__ import annotations
@@ -65,33 +68,29 @@ class AttentionTiles:
     # tile). Where the tiles leave the GPU's last round part-empty, that round's tiles are
     # split over their keys to fill it, and a second kernel merges the parts (`split_plan`)
     split_ctas_per_sm: int = 0
-    max_registers: int = 0  # registers per thread the compiler may use (0: its own choice)
 
     def spec(self) -> str:
         """The text `parse` reads back."""
         return (f"{self.block_m},{self.block_n},{self.warps},{self.stages},"
                 f"{'fp8' if self.p_fp8 else 'bf16'},{'tma' if self.tma else 'ptr'}"
                 + (",fma" if self.fma else "")
-                + (f",split{self.split_ctas_per_sm}" if self.split_ctas_per_sm else "")
-                + (f",reg{self.max_registers}" if self.max_registers else ""))
+                + (f",split{self.split_ctas_per_sm}" if self.split_ctas_per_sm else ""))
 
     @classmethod
     def parse(cls, text: str) -> "AttentionTiles":
-        """'128,128,8,3,bf16,tma[,fma][,splitN][,regN]' -> AttentionTiles (the fields after
-        the fourth optional)."""
+        """'128,128,8,3,bf16,tma[,fma][,splitN]' -> AttentionTiles (the fields after the
+        fourth optional)."""
         f = text.split(",")
         flags = f[6:]
-        number = {flag.rstrip("0123456789"): int(flag[len(flag.rstrip("0123456789")):])
-                  for flag in flags if flag[-1:].isdigit()}
+        split = next((int(x[len("split"):]) for x in flags if x.startswith("split")), 0)
         return cls(int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4] == "fp8",
-                   len(f) > 5 and f[5] == "tma", "fma" in flags, number.get("split", 0),
-                   number.get("reg", 0))
+                   len(f) > 5 and f[5] == "tma", "fma" in flags, split)
 
 
 # LiveTalk-1.3B's attention (12 heads x 3,072 queries over 15,360 keys): 576 tiles of 64
 # queries, two programs to an SM (264 on an H200): two rounds of whole tiles, then the other
-# 48 in five key ranges; 370 us a call against 428 one program per tile (three programs to an
-# SM at 2 stages and 168 registers measured 382 us; docs/PERFORMANCE.md)
+# 48 in five key ranges; 53.7 ms a steady chunk against 63.5 one program per tile (three
+# programs to an SM, at 2 stages and 168 registers, measured 55.6; docs/PERFORMANCE.md)
 SPLIT_TILES = AttentionTiles(split_ctas_per_sm=2)
 
 
@@ -157,8 +156,6 @@ def _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, amax, tiles,
     consts = dict(D=D, BLOCK_M=bm, BLOCK_N=bn, P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE,
                   LOG2_P_SCALE=LOG2_P_SCALE, FMA=tiles.fma, num_warps=tiles.warps,
                   num_stages=tiles.stages)
-    if tiles.max_registers:
-        consts["maxnreg"] = tiles.max_registers
     whole, parts = grid[0] * H, 1
     if tiles.split_ctas_per_sm and amax is None:
         slots = tiles.split_ctas_per_sm * torch.cuda.get_device_properties(
@@ -187,7 +184,8 @@ def supports(head_dim: int) -> bool:
 
 
 def select(head_dim: int, tiles: AttentionTiles | None = None):
-    """For head dims the kernel supports, the op (registered below: the Triton kernel with `tiles`, else the default, on CUDA tensors; the reference on CPU ones), with
+    """For head dims the kernel supports, the op (registered below: the Triton kernel with
+    `tiles`, else the default, on CUDA tensors; the reference on CPU ones), with
     `reference`'s signature; else the reference."""
     if not supports(head_dim):
         return reference

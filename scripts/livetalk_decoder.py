@@ -7,9 +7,13 @@ name, ms per steady piece), and compared with the plain arm's frames.
 
   plain         the 3-D convs over [C, T, H, W] and the unfused norms (every switch off)
   fused         + each RMS norm and its SiLU as one kernel (VaeSpec.gpu_fused_norm)
-  frames        the frames layout (VaeSpec.gpu_frames_layout: 2-D convs over stacked taps,
-                its resize and block-end kernels) with the unfused norms
-  frames_fused  the frames layout with the fused norms writing the taps (the preset)
+  frames        the frames layout (VaeSpec.gpu_frames_layout: 2-D convs over stacked taps)
+                with the unfused norms
+  frames_fused  the frames layout with the fused norms writing the taps
+  preset        + the resize and block-end kernels over pixel rows (VaeSpec.gpu_row_kernels)
+
+(At a07bdc6 the frames layout always ran the row kernels: that JSON's frames arms are this
+one's with them.)
 
     python scripts/livetalk_decoder.py --preset livetalk-1.3b \\
         --out docs/results/livetalk/decoder_livetalk-1.3b_h200.json
@@ -29,11 +33,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from charengine.livetalk.sidenets import load_side, random_side_state
 from charengine.livetalk.spec import PRESETS
-from charengine.livetalk.vae_blocks import use_frames_layout, use_fused_norms
+from charengine.livetalk.vae_blocks import use_frames_layout, use_fused_norms, use_row_kernels
 from charengine.timing import cuda_ms, median
 
 ARMS = {"plain": (), "fused": (use_fused_norms,), "frames": (use_frames_layout,),
-        "frames_fused": (use_frames_layout, use_fused_norms)}
+        "frames_fused": (use_frames_layout, use_fused_norms),
+        "preset": (use_frames_layout, use_fused_norms, use_row_kernels)}
 TOP_KERNELS = 8
 
 
@@ -63,7 +68,7 @@ def main():
     args = ap.parse_args()
     spec, dev = PRESETS[args.preset], torch.device("cuda")
     plain = dataclasses.replace(spec, vae=dataclasses.replace(
-        spec.vae, gpu_frames_layout=False, gpu_fused_norm=False))
+        spec.vae, gpu_frames_layout=False, gpu_fused_norm=False, gpu_row_kernels=False))
     state = random_side_state(spec, args.seed)
     g = torch.Generator().manual_seed(args.seed)
     lat = [torch.randn(spec.latent_channels, 1, spec.latent_h, spec.latent_w,

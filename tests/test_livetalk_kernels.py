@@ -151,26 +151,26 @@ def test_channel_norm_taps_matches_reference(frames, n, C, H, W, bias):
 def test_nearest2x_rows_matches_reference(shape):
     """The resize kernel writes exactly PyTorch's nearest resize (copies, no arithmetic),
     every output pixel (the output is allocated over memory that held other values)."""
-    from charengine.plugins import upsample
+    from charengine.plugins import pixel_rows
 
     g = torch.Generator(device=DEV).manual_seed(shape[-1])
     x = torch.randn(shape, device=DEV, generator=g).to(torch.bfloat16)
     poison = torch.full((4 * x.numel(),), float("nan"), device=DEV, dtype=torch.bfloat16)
     del poison  # its memory goes to the output
-    assert torch.equal(upsample.triton_nearest2x_rows(x), upsample.reference(x))
+    assert torch.equal(pixel_rows.triton_nearest2x_rows(x), pixel_rows.nearest2x_reference(x))
 
 
 @pytest.mark.parametrize("shape", [(4, 512, 512, 96), (1, 64, 64, 384), (3, 5, 7, 37)])
 def test_bias_residual_rows_matches_reference(shape):
     """The block-end kernel sums in fp32 and rounds once: within one bf16 unit of the sum in
     fp32, and no farther from it than the reference's two bf16 roundings."""
-    from charengine.plugins import upsample
+    from charengine.plugins import pixel_rows
 
     g = torch.Generator(device=DEV).manual_seed(shape[-1])
     h, x = (torch.randn(shape, device=DEV, generator=g).to(torch.bfloat16) for _ in range(2))
     b = torch.randn(shape[-1], device=DEV, generator=g).to(torch.bfloat16)
-    want = upsample.bias_residual_reference(h.float(), b.float(), x.float())
-    got = upsample.triton_bias_residual_rows(h, b, x)
+    want = pixel_rows.bias_residual_reference(h.float(), b.float(), x.float())
+    got = pixel_rows.triton_bias_residual_rows(h, b, x)
     assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -8 + 2.0 ** -24).all()
-    plain = upsample.bias_residual_reference(h, b, x)
+    plain = pixel_rows.bias_residual_reference(h, b, x)
     assert (got.float() - want).abs().mean() <= (plain.float() - want).abs().mean()

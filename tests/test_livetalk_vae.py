@@ -110,7 +110,7 @@ def test_the_frames_layout_decodes_what_the_3d_convs_decode():
     decoded in the live pieces and one decoded whole give the plain path's frames; the state
     dict is unchanged (the weights become views of their 2-D layout) and the streaming state
     lies channels-last. A control: a decoder whose conv weight moved decodes other frames."""
-    from charengine.livetalk.vae_blocks import use_frames_layout, use_fused_norms
+    from charengine.livetalk.vae_blocks import use_frames_layout, use_fused_norms, use_row_kernels
 
     torch.manual_seed(0)
     lat = torch.randn(16, 7, 4, 4)
@@ -128,7 +128,8 @@ def test_the_frames_layout_decodes_what_the_3d_convs_decode():
                for conv, t in dec.state.past.items())
     dec.reset()
     torch.testing.assert_close(dec(lat), want, atol=1e-5, rtol=0)
-    use_fused_norms(frames.decoder)  # on the CPU, the op's reference: the same frames
+    use_fused_norms(frames.decoder)  # on the CPU, the ops' references: the same frames
+    use_row_kernels(frames.decoder)
     dec.reset()
     torch.testing.assert_close(torch.cat([dec(p) for p in pieces]), want, atol=1e-5, rtol=0)
     conv = frames.decoder.upsamples[0].residual["2"]
@@ -144,7 +145,7 @@ def test_the_decoders_gpu_arms_stay_as_close_to_fp32_as_the_plain_bf16_path():
     (the fused norms, the frames layout, both) against the plain path in fp32: each arm's
     distance within 1.5 times the plain bf16 path's (the arms change the order of sums and
     where bf16 rounds, not the math)."""
-    from charengine.livetalk.vae_blocks import use_frames_layout, use_fused_norms
+    from charengine.livetalk.vae_blocks import use_frames_layout, use_fused_norms, use_row_kernels
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -161,7 +162,8 @@ def test_the_decoders_gpu_arms_stay_as_close_to_fp32_as_the_plain_bf16_path():
 
     ref = decode(torch.float32)
     base = (decode(torch.bfloat16) - ref).abs()
-    for arms in ((use_fused_norms,), (use_frames_layout,), (use_frames_layout, use_fused_norms)):
+    for arms in ((use_fused_norms,), (use_frames_layout,), (use_frames_layout, use_fused_norms),
+                 (use_frames_layout, use_fused_norms, use_row_kernels)):
         err = (decode(torch.bfloat16, *arms) - ref).abs()
         names = [a.__name__ for a in arms]
         assert err.mean() <= 1.5 * base.mean(), (names, err.mean().item(), base.mean().item())

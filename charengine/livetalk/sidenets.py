@@ -18,7 +18,7 @@ from ..checkpoint import CheckpointError, check_tensors
 from .audio import AudioEncoder
 from .spec import LiveTalkSpec
 from .vae import StreamingDecoder, WanVAE, encode_image, load_vae
-from .vae_blocks import use_frames_layout, use_fused_norms
+from .vae_blocks import use_frames_layout, use_fused_norms, use_row_kernels
 
 PREFIXES = ("vae.", "audio_encoder.", "prompt.", "umt5.")
 
@@ -46,6 +46,8 @@ class SideNets(torch.nn.Module):
         if self.vae.conv2.weight.device.type == "cuda":
             if self.spec.vae.gpu_frames_layout:
                 use_frames_layout(self.vae.decoder)
+                if self.spec.vae.gpu_row_kernels:
+                    use_row_kernels(self.vae.decoder)
             if self.spec.vae.gpu_fused_norm:
                 use_fused_norms(self.vae)
         self.decoder = StreamingDecoder(self.vae)

@@ -143,10 +143,9 @@ class CausalConv3d(nn.Conv3d):
         the frames layout the norm's taps op writes its output straight into this conv's
         stacked taps and past frames (RMSNorm.taps)."""
         if self.frames_weight is None:
-            if not own_bias:
-                raise ValueError("a conv leaves its bias out only in the frames layout")
-            if bias is not None:
-                x = x + bias.view(-1, *(1,) * (x.dim() - 2))
+            if bias is not None or not own_bias:
+                raise ValueError("biases move between convs and norms only in the frames "
+                                 "layout")
             return self(norm(x, silu=True), state)
         t = rows_of(x)
         past = self._past(t, state)
@@ -163,10 +162,11 @@ class CausalConv3d(nn.Conv3d):
         """The frames layout: the taps stacked from whole contiguous frames [T, H, W, C] (a
         time concatenation of channels-last 5-D tensors would come out channels-first)."""
         t = rows_of(x)
+        if not n:
+            return self._conv_taps(t, own_bias)
         past = self._past(t, state)
         taps = stacked_taps(past, t)
-        if n:
-            past.copy_(torch.cat([past, t])[-n:])
+        past.copy_(t[-n:] if t.shape[0] >= n else torch.cat([past, t])[-n:])
         return self._conv_taps(taps, own_bias)
 
     def _conv_taps(self, taps: torch.Tensor, own_bias: bool = True) -> torch.Tensor:
@@ -179,16 +179,9 @@ class CausalConv3d(nn.Conv3d):
 def use_frames_layout(module: nn.Module) -> None:
     """Run every conv under `module` in the frames layout, for decoding one sequence at a time
     (batch 1). Each conv's weight is laid out once as its 2-D conv takes it, and the weight
-    itself becomes a view of that (the same values, no second copy). The spatial upsamples
-    resize pixel rows with plugins/upsample.py's op."""
-    from ..plugins import upsample
-
+    itself becomes a view of that (the same values, no second copy)."""
     with torch.no_grad():
         for m in module.modules():
-            if isinstance(m, Upsample):
-                m.double_rows = upsample.select()
-            if isinstance(m, ResBlock):
-                m.bias_residual = upsample.select_bias_residual()
             if isinstance(m, (CausalConv3d, nn.Conv2d)):
                 w = m.weight
                 fw = frames_weight(w)
@@ -199,6 +192,19 @@ def use_frames_layout(module: nn.Module) -> None:
                     view = fw
                 m.weight.data = view
                 m.register_buffer("frames_weight", fw, persistent=False)
+
+
+def use_row_kernels(module: nn.Module) -> None:
+    """In the frames layout, the spatial resizes and the residual blocks' ends under `module`
+    as plugins/pixel_rows.py's ops (one kernel each over the pixel rows) in place of
+    PyTorch's resize and adds."""
+    from ..plugins import pixel_rows
+
+    for m in module.modules():
+        if isinstance(m, Upsample):
+            m.double_rows = pixel_rows.select_nearest2x()
+        if isinstance(m, ResBlock):
+            m.bias_residual = pixel_rows.select_bias_residual()
 
 
 class RMSNorm(nn.Module):
@@ -238,7 +244,7 @@ class ResBlock(nn.Module):
                                   3: RMSNorm(cout), 6: CausalConv3d(cout, cout, 3)})
         self.shortcut = CausalConv3d(cin, cout, 1) if cin != cout else None
         # the frames layout's block end (the last conv's bias and the residual, added to its
-        # output in one pass); use_frames_layout: plugins/upsample.py's op
+        # output in one pass); use_row_kernels: plugins/pixel_rows.py's op
         self.bias_residual = bias_residual_rows
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
@@ -313,7 +319,7 @@ class Upsample(nn.Module):
         self.resample = numbered({1: nn.Conv2d(dim, dim // 2, 3, padding=1)})
         if temporal:
             self.time_conv = CausalConv3d(dim, 2 * dim, (3, 1, 1))
-        # the frames layout's resize of pixel rows; use_frames_layout: plugins/upsample.py's op
+        # the frames layout's resize of pixel rows; use_row_kernels: plugins/pixel_rows.py's op
         self.double_rows = nearest2x_rows
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:

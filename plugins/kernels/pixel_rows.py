@@ -1,4 +1,4 @@
-"""Triton kernel of plugins/upsample.py (imported only where Triton and a GPU are)."""
+"""Triton kernel of plugins/pixel_rows.py (imported only where Triton and a GPU are)."""
 
 import triton
 import triton.language as tl
@@ -31,4 +31,3 @@ def bias_residual_rows_kernel(h_ptr, b_ptr, x_ptr, y_ptr, N, C, BLOCK: tl.conste
     x = tl.load(x_ptr + offs, mask=m).to(tl.float32)
     b = tl.load(b_ptr + offs % C, mask=m).to(tl.float32)
     tl.store(y_ptr + offs, (h + b + x).to(y_ptr.dtype.element_ty), mask=m)
-
