@@ -54,6 +54,14 @@ def stacked_taps(past: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[i:i + frames] for i in range(n + 1)], dim=-1)
 
 
+def keep_past(past: torch.Tensor, x: torch.Tensor) -> None:
+    """A causal conv's past frames past [n, ...] become, in place, the last n frames of past
+    followed by frames x [F, ...]."""
+    n = past.shape[0]
+    if n:
+        past.copy_(x[-n:] if x.shape[0] >= n else torch.cat([past, x])[-n:])
+
+
 def channel_rms_norm(x: torch.Tensor, gain: torch.Tensor, silu: bool) -> torch.Tensor:
     """The Wan VAE's RMS norm: x [B, C, ...] over unit L2 norm across C (F.normalize), times
     sqrt(C) and a per-channel gain, then SiLU where asked; each op in x's dtype."""
@@ -70,9 +78,7 @@ def channel_norm_taps(x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | 
         x = x + bias
     y = channel_rms_norm(x.permute(3, 0, 1, 2)[None], gain, silu)[0].permute(1, 2, 3, 0)
     taps = stacked_taps(past, y)
-    n = past.shape[0]
-    if n:
-        past.copy_(torch.cat([past, y])[-n:])
+    keep_past(past, y)
     return taps
 
 

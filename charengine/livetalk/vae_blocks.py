@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import (bias_residual_rows, channel_norm_taps, channel_rms_norm, nearest2x_rows,
-                   stacked_taps)
+from ..ops import (bias_residual_rows, channel_norm_taps, channel_rms_norm, keep_past,
+                   nearest2x_rows, stacked_taps)
 
 
 class StreamState:
@@ -166,7 +166,7 @@ class CausalConv3d(nn.Conv3d):
             return self._conv_taps(t, own_bias)
         past = self._past(t, state)
         taps = stacked_taps(past, t)
-        past.copy_(t[-n:] if t.shape[0] >= n else torch.cat([past, t])[-n:])
+        keep_past(past, t)
         return self._conv_taps(taps, own_bias)
 
     def _conv_taps(self, taps: torch.Tensor, own_bias: bool = True) -> torch.Tensor:
