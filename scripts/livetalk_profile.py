@@ -32,7 +32,9 @@ from charengine.mapping import Mapping
 from charengine.timing import Span, median
 
 # kernel name fragment -> group (the first match wins)
-GROUPS = (("attention_tma_kernel", "fp8 attention"), ("attention_kernel", "fp8 attention"),
+GROUPS = (("pre_attention", "pre-attention"), ("attention_tma_kernel", "fp8 attention"),
+          ("attention_kernel", "fp8 attention"), ("attention_split", "fp8 attention"),
+          ("attention_merge", "fp8 attention"),
           ("flash", "sdpa attention"), ("fmha", "sdpa attention"), ("cudnn", "sdpa attention"),
           ("nvjet", "gemm"), ("gemm", "gemm"), ("sm90_xmma", "gemm"), ("cutlass", "gemm"),
           ("quant", "quantization"), ("norm", "norms"), ("index", "cache write"),
@@ -57,13 +59,14 @@ def chunk_flop(cfg) -> dict[str, float]:
     return {"gemm_tflop": gemm / 1e12, "attention_tflop": attn / 1e12}
 
 
-def kernel_ms(prof, chunks: int) -> collections.Counter:
-    """Each CUDA kernel's time per chunk (ms) in a profile of `chunks` chunks."""
+def kernel_ms(prof, chunks: int, calls: bool = False) -> collections.Counter:
+    """Each CUDA kernel's time per chunk (ms) in a profile of `chunks` chunks; with calls,
+    its launches per chunk instead."""
     kernels = collections.Counter()
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
         if t and e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.key] += t / 1e3 / chunks
+            kernels[e.key] += (e.count if calls else t / 1e3) / chunks
     return kernels
 
 
@@ -149,6 +152,7 @@ def main():
         fill = first_chunks(session, shapes, step, fam.steady_from(cfg), args.fill_sessions, dev) \
             if args.fill_sessions else None
     kernels = kernel_ms(prof, args.chunks)
+    calls = kernel_ms(prof, args.chunks, calls=True)
     groups = grouped(kernels)
     flop = chunk_flop(cfg)
     precision = "fp8" if cfg.numerics.fp8_gemm else "bf16"
@@ -160,7 +164,9 @@ def main():
                "date": time.strftime("%Y-%m-%d"), "chunk_ms_p50": median(ms), "chunk_ms": ms,
                "kernel_ms_per_chunk": sum(kernels.values()), **flop, **floors,
                "groups_ms": groups,
-               "top_kernels_ms": dict(kernels.most_common(25))}
+               "top_kernels_ms": dict(kernels.most_common(25)),
+               "kernel_calls_per_chunk": sum(calls.values()),
+               "top_kernels_calls": {k: calls[k] for k in dict(kernels.most_common(25))}}
     if fill is not None:
         summary["fill_chunks"] = fill
     print(json.dumps({k: v for k, v in summary.items()
