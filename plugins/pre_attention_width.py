@@ -6,13 +6,17 @@ same launch writes a cache in the compute dtype and gives the queries unquantize
 chunks before the FP8 cache is calibrated, or a cache that stays in the compute dtype).
 
 plugins/pre_attention.py is the same op for a per-head norm. Here each query or key program
-walks its tokens' heads for the sum of squares (read again from L2) before it norms its own
-head. It rounds where the reference rounds (the normed vector to the compute dtype before
-and after the weight, the rotated one again), so the two differ only in fp32 summation
-order: parity tests bound it.
+reads its tokens' whole rows once, every head, for the sum of squares and the norm (a
+program per (tokens, head) that walked the other heads for the sum took twice as long at
+LiveTalk's shape: docs/PERFORMANCE.md); the values, which need no norm, go a head at a time
+in longer runs of slots. It rounds where the reference rounds (the normed vector to the
+compute dtype before and after the weight, the rotated one again), so the two differ only in
+fp32 summation order: parity tests bound it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +26,18 @@ from charengine.rope import rotate
 
 from . import registry
 from .pre_attention import check_head_dims
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """The kernel's tiles: tokens per query or key program (their whole rows), tokens per
+    value program (one head: runs of that many slots in a value store [H, D, S]) and warps.
+    The default is the fastest measured at LiveTalk-1.3B's chunk (scripts/livetalk_kernels.py
+    --only pre_attention, docs/PERFORMANCE.md)."""
+
+    tokens: int = 4
+    value_tokens: int = 32
+    warps: int = 4
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
@@ -49,10 +65,13 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.T
 
 
 def triton_pre_attention_width(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store,
-                               k_scale, v_scale, write_index, block_t: int = 16,
-                               warps: int = 4):
+                               k_scale, v_scale, write_index, tiles: RowTiles = RowTiles()):
     """The kernel; arguments and result as `reference` (q, k, v may be strided views with a
     contiguous head dimension, as the input projection's output split)."""
+    import triton
+
+    from .kernels.pre_attention_width import pre_attention_rows_kernel
+
     T, H, D = q.shape
     check_head_dims(q=q, k=k, v=v, k_store=k_store)
     quant = k_scale is not None
@@ -66,16 +85,17 @@ def triton_pre_attention_width(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, 
     else:
         q8, q_scale = torch.empty((H, T, D), dtype=q.dtype, device=q.device), registry.no_scale(q)
         k_scale = v_scale = q_norm  # unused pointers
-    grid = ((T + block_t - 1) // block_t, H, 3)  # parts: queries, keys, values
-    from .kernels.pre_attention_width import pre_attention_width_kernel
-
-    pre_attention_width_kernel[grid](
+    nq = triton.cdiv(T, tiles.tokens)
+    # programs: the queries' token tiles, the keys', then (value tile, head) pairs
+    grid = (2 * nq + triton.cdiv(T, tiles.value_tokens) * H,)
+    pre_attention_rows_kernel[grid](
         q, k, v, q_norm, k_norm, cos.contiguous(), sin.contiguous(), write_index,
         k_scale.reshape(-1), v_scale.reshape(-1), k_store, v_store, q8, q_scale, T, eps,
         q.stride(1), q.stride(0), k.stride(1), k.stride(0), v.stride(1), v.stride(0),
         k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
-        v_store.stride(2), q8.stride(0), q8.stride(1), H=H, D=D, BLOCK_T=block_t,
-        QUANT=quant, num_warps=warps)
+        v_store.stride(2), q8.stride(0), q8.stride(1), nq, H=H, D=D, BLOCK_T=tiles.tokens,
+        BLOCK_H=triton.next_power_of_2(H), BLOCK_V=tiles.value_tokens, QUANT=quant,
+        num_warps=tiles.warps)
     return q8, q_scale
 
 

@@ -2,10 +2,12 @@
 tiles over the sink and window as the cache lays them out (12 heads, 3,072 queries, 15,360
 keys, values stored [head_dim, slots]), and each fused epilogue against the unfused ops it
 replaces (the gated residual + the cross-attention's layer norm + quantize, the gated
-residual + audio + AdaLN + quantize, GELU + quantize, the q RMS norm). Each time is the
-median microseconds per call of a CUDA graph of many calls over distinct buffers.
+residual + audio + AdaLN + quantize, GELU + quantize, the q RMS norm), and the fused
+pre-attention over its tile sizes, each checked against the reference. Each time is the median microseconds per
+call of a CUDA graph of many calls over distinct buffers.
 
     python scripts/livetalk_kernels.py --out docs/results/livetalk/kernels_livetalk-1.3b_h200.json
+    python scripts/livetalk_kernels.py --only pre_attention epilogues --out ...
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from charengine import fp8
 from charengine.config import preset
 from charengine.engine_format import this_machine
 from charengine.ops import gated_residual, gelu_tanh, modulate, rms_norm_width
-from charengine.plugins import act_quant, rms_norm
+from charengine.plugins import act_quant, pre_attention_width, rms_norm
 from charengine.plugins.attention import AttentionTiles
+from charengine.rope import cos_sin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import bench_attention, graph_time_us  # noqa: E402
@@ -35,6 +38,12 @@ EXTRA_TILES = tuple(AttentionTiles(bm, bn, w, st, True, True, True)
                                           (128, 128, 8, 4), (128, 256, 8, 2), (64, 64, 4, 4),
                                           (64, 128, 4, 5), (64, 256, 4, 2), (128, 64, 8, 4)))
 GELU_WARPS = (4, 8, 32)  # beside the kernel's default (16)
+NORM_WARPS = (1, 2, 4, 8)
+ACT_BLOCKS = (1024, 2048)
+# the pre-attention's tiles tried (tokens per query/key program, tokens per value program,
+# warps: pre_attention_width.RowTiles)
+PRE_ROWS = tuple((t, v, w) for t in (2, 4, 8) for v in (32, 64) for w in (2, 4, 8))
+SECTIONS = ("attention", "epilogues", "pre_attention")
 BUFFERS = 4  # distinct inputs per graph, so that repeated calls do not all hit L2
 
 
@@ -81,6 +90,69 @@ def bench_epilogues(spec, calls: int, reps: int, dev) -> dict:
         us = graph_time_us(lambda i: act_quant.triton_gelu_quant(hid[i % 4], warps), calls, reps)
         out["gelu_quant"][f"fused_us_w{warps}"] = us
         print(f"gelu_quant at {warps:2d} warps             {us:8.1f} us", flush=True)
+    for warps in NORM_WARPS:  # the AdaLN kernel's row over other warp counts
+        us = graph_time_us(lambda i: act_quant.triton_residual_norm_modulate_quant(
+            h[i % 4], o[i % 4], gate, shift, scale, eps, warps), calls, reps)
+        out[f"residual_norm_modulate_quant_w{warps}"] = {"fused_us": us}
+        print(f"residual_norm_modulate_quant at {warps} warps {us:8.1f} us", flush=True)
+    for block in ACT_BLOCKS:  # the attention output's quantization, its row in one or two
+        us = graph_time_us(lambda i: act_quant.triton_act_quant(h[i % 4], block), calls, reps)
+        out[f"act_quant_b{block}"] = {"fused_us": us}
+        print(f"act_quant at block {block}            {us:8.1f} us", flush=True)
+    return out
+
+
+def bench_pre_attention(spec, calls: int, reps: int, dev) -> dict:
+    """The fused pre-attention into the FP8 cache at a steady chunk's shape over PRE_ROWS,
+    each with how its queries, keys and values differ from the reference's."""
+    H, T, D, eps = spec.n_heads, spec.chunk_tokens, spec.head_dim, spec.norm_eps
+    S = spec.cache_frames * spec.frame_tokens
+    g = torch.Generator(device=dev).manual_seed(0)
+    ys = [(torch.randn(T, 3 * H * D, device=dev, generator=g) * 3).to(torch.bfloat16)
+          for _ in range(BUFFERS)]
+    qkv = [tuple(t.unflatten(1, (H, D)) for t in y.split(H * D, -1)) for y in ys]
+    qn, kn = ((torch.rand(H * D, device=dev, generator=g) + 0.5).to(torch.bfloat16)
+              for _ in range(2))
+    cos, sin = cos_sin(torch.rand(T, D // 2, device=dev, generator=g) * 6)
+    idx = S - T + torch.arange(T, device=dev)
+    ks = torch.rand(H, 1, 1, device=dev, generator=g) * 0.01 + 0.01
+    vs = torch.rand(H, 1, 1, device=dev, generator=g) * 0.01 + 0.01
+
+    def stores():
+        return (torch.zeros(H, S, D, dtype=fp8.FP8, device=dev),
+                torch.zeros(H, D, S, dtype=fp8.FP8, device=dev).transpose(1, 2))
+
+    ref_k, ref_v = stores()
+    ref_q, _ = pre_attention_width.reference(*qkv[0], qn, kn, eps, cos, sin, ref_k, ref_v, ks,
+                                             vs, idx)
+
+    def codes(a, b):
+        """The share of e4m3 values not equal to the reference's, and whether every one is
+        within one code of it."""
+        x, y = a.float(), b.float()
+        near = bool(((x - y).abs() <= torch.maximum(x.abs(), y.abs()) * 2.0 ** -3 + 2.0 ** -9)
+                    .all())
+        return {"differ": float((a.view(torch.uint8) != b.view(torch.uint8)).float().mean()),
+                "within_one_code": near}
+
+    out = {}
+    for t, v, w in PRE_ROWS:
+        name, tiles = f"rows_t{t}_v{v}_w{w}", pre_attention_width.RowTiles(t, v, w)
+        k8, v8 = stores()
+        try:
+            q8, _ = pre_attention_width.triton_pre_attention_width(
+                *qkv[0], qn, kn, eps, cos, sin, k8, v8, ks, vs, idx, tiles)
+            out[name] = {"q_codes": codes(q8, ref_q), "k_codes": codes(k8, ref_k),
+                         "v_codes": codes(v8, ref_v)}
+            out[name]["us"] = graph_time_us(
+                lambda i: pre_attention_width.triton_pre_attention_width(
+                    *qkv[i % BUFFERS], qn, kn, eps, cos, sin, k8, v8, ks, vs, idx, tiles),
+                calls, reps)
+            print(f"pre_attention {name:22s} {out[name]['us']:8.1f} us  q {out[name]['q_codes']} "
+                  f"k {out[name]['k_codes']} v {out[name]['v_codes']}", flush=True)
+        except Exception as e:  # a tile that does not compile is reported, not fatal
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(f"pre_attention {name:22s} {out[name]['error'][:100]}", flush=True)
     return out
 
 
@@ -90,20 +162,26 @@ def main():
     ap.add_argument("--preset", default="livetalk-1.3b")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = preset(args.preset).model
     dev = torch.device("cuda")
     S = spec.cache_frames * spec.frame_tokens
-    attn = bench_attention(spec.n_heads, spec.chunk_tokens, S, spec.head_dim, args.calls,
-                           args.reps, dev, EXTRA_TILES)
-    for k, v in sorted(attn.items(), key=lambda kv: kv[1].get("us", 1e30)):
-        print(f"{k:48s} " + (f"{v['us']:9.1f} us {v['tflops']:7.1f} TFLOP/s" if "us" in v
-                             else v["error"][:80]), flush=True)
     result = {"preset": args.preset, "machine": this_machine(), "date": time.strftime("%Y-%m-%d"),
               "attention_shape": {"heads": spec.n_heads, "queries": spec.chunk_tokens,
-                                  "keys": S, "head_dim": spec.head_dim},
-              "attention": attn, "epilogues": bench_epilogues(spec, args.calls, args.reps, dev)}
+                                  "keys": S, "head_dim": spec.head_dim}}
+    if "attention" in args.only:
+        attn = bench_attention(spec.n_heads, spec.chunk_tokens, S, spec.head_dim, args.calls,
+                               args.reps, dev, EXTRA_TILES)
+        for k, v in sorted(attn.items(), key=lambda kv: kv[1].get("us", 1e30)):
+            print(f"{k:48s} " + (f"{v['us']:9.1f} us {v['tflops']:7.1f} TFLOP/s" if "us" in v
+                                 else v["error"][:80]), flush=True)
+        result["attention"] = attn
+    if "pre_attention" in args.only:
+        result["pre_attention"] = bench_pre_attention(spec, args.calls, args.reps, dev)
+    if "epilogues" in args.only:
+        result["epilogues"] = bench_epilogues(spec, args.calls, args.reps, dev)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
