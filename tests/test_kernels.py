@@ -502,3 +502,27 @@ def test_split_attention_matches_the_whole_tiles(H, T, S, D, fma):
     assert (out.float() - ref).abs().max() <= 2.0 ** -4 * vmax
     dist = [float((o.float() - ref).norm() / ref.norm()) for o in (out, whole)]
     assert dist[0] <= 1.05 * dist[1], dist
+
+
+@pytest.mark.parametrize("H,T,S,D", [(12, 3072, 15360, 128), (3, 37, 150, 64)])
+@pytest.mark.parametrize("poly", [2, 4])
+def test_exp2_by_cubic_keeps_attention_as_close(H, T, S, D, poly):
+    """The split grid with some probabilities' exp2 by the cubic (exp2_poly) within the FP8
+    bound of the reference and as close to it as with every exp2 on the MUFU (the cubic's
+    2e-4 lies far below the e4m3 cast p takes)."""
+    g = torch.Generator(device=DEV).manual_seed(H + S + poly)
+    q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=DEV, generator=g))
+    k8 = fp8_tensor((H, S, D), g)
+    store = torch.zeros(H, D, S + (-S % 16), dtype=fp8.FP8, device=DEV)
+    store[..., :S] = fp8_tensor((H, D, S), g)
+    vt = store[..., :S].transpose(1, 2)
+    ks = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.02 + 0.01
+    vs = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.02 + 0.01
+    ref = attention.reference(q8, qs, k8, vt, ks, vs, torch.float32)
+    cubic, mufu = (attention.triton_attention(
+        q8, qs, k8, vt, ks, vs, torch.bfloat16,
+        dataclasses.replace(attention.SPLIT_TILES, exp2_poly=p)) for p in (poly, 0))
+    vmax = (vt.float().abs().amax(dim=(1, 2)) * vs.flatten()).max()
+    assert (cubic.float() - ref).abs().max() <= 2.0 ** -4 * vmax
+    dist = [float((o.float() - ref).norm() / ref.norm()) for o in (cubic, mufu)]
+    assert dist[0] <= 1.02 * dist[1], dist
