@@ -68,32 +68,23 @@ class AttentionTiles:
     # tile). Where the tiles leave the GPU's last round part-empty, that round's tiles are
     # split over their keys to fill it, and a second kernel merges the parts (`split_plan`)
     split_ctas_per_sm: int = 0
-    # with fma and TMA: one probability of every exp2_poly (2 or 4) by a cubic on the FMA
-    # pipe instead of the MUFU's exp2 (kernels/attention.py, _exp2); 0: none
-    exp2_poly: int = 0
-
-    def __post_init__(self):
-        if self.exp2_poly not in (0, 2, 4):
-            raise ValueError(f"exp2_poly must be 0, 2 or 4, not {self.exp2_poly}")
 
     def spec(self) -> str:
         """The text `parse` reads back."""
         return (f"{self.block_m},{self.block_n},{self.warps},{self.stages},"
                 f"{'fp8' if self.p_fp8 else 'bf16'},{'tma' if self.tma else 'ptr'}"
                 + (",fma" if self.fma else "")
-                + (f",split{self.split_ctas_per_sm}" if self.split_ctas_per_sm else "")
-                + (f",poly{self.exp2_poly}" if self.exp2_poly else ""))
+                + (f",split{self.split_ctas_per_sm}" if self.split_ctas_per_sm else ""))
 
     @classmethod
     def parse(cls, text: str) -> "AttentionTiles":
-        """'128,128,8,3,bf16,tma[,fma][,splitN][,polyN]' -> AttentionTiles (the fields after
-        the fourth optional)."""
+        """'128,128,8,3,bf16,tma[,fma][,splitN]' -> AttentionTiles (the fields after the
+        fourth optional)."""
         f = text.split(",")
         flags = f[6:]
         split = next((int(x[len("split"):]) for x in flags if x.startswith("split")), 0)
-        poly = next((int(x[len("poly"):]) for x in flags if x.startswith("poly")), 0)
         return cls(int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4] == "fp8",
-                   len(f) > 5 and f[5] == "tma", "fma" in flags, split, poly)
+                   len(f) > 5 and f[5] == "tma", "fma" in flags, split)
 
 
 # LiveTalk-1.3B's attention (12 heads x 3,072 queries over 15,360 keys): 576 tiles of 64
@@ -163,8 +154,7 @@ def _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, amax, tiles,
              TensorDescriptor(vd, list(vd.shape), list(vd.stride()),
                               [1, D, bn] if v_t else [1, bn, D]), ks, vs, out)
     consts = dict(D=D, BLOCK_M=bm, BLOCK_N=bn, P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE,
-                  LOG2_P_SCALE=LOG2_P_SCALE, FMA=tiles.fma,
-                  POLY=tiles.exp2_poly if tiles.fma else 0, num_warps=tiles.warps,
+                  LOG2_P_SCALE=LOG2_P_SCALE, FMA=tiles.fma, num_warps=tiles.warps,
                   num_stages=tiles.stages)
     whole, parts = grid[0] * H, 1
     if tiles.split_ctas_per_sm and amax is None:

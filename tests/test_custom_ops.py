@@ -148,12 +148,8 @@ def test_attention_tiles_read_back_from_their_spec():
     written before the optional fields existed still read."""
     for t in (attention.AttentionTiles(), attention.AttentionTiles(128, 64, 8, 2, False, False),
               attention.AttentionTiles(fma=False), attention.SPLIT_TILES,
-              attention.AttentionTiles(split_ctas_per_sm=3),
-              attention.AttentionTiles(split_ctas_per_sm=2, exp2_poly=4),
-              attention.AttentionTiles(exp2_poly=2)):
+              attention.AttentionTiles(split_ctas_per_sm=3)):
         assert attention.AttentionTiles.parse(t.spec()) == t
-    with pytest.raises(ValueError, match="exp2_poly"):
-        attention.AttentionTiles(exp2_poly=3)
     old = attention.AttentionTiles.parse("64,128,4,3,fp8")
     assert old == attention.AttentionTiles(tma=False, fma=False) and not old.fma
 

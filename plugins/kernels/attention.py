@@ -4,47 +4,6 @@ import triton
 import triton.language as tl
 
 
-# 2^x on the FMA pipe (the probabilities' exponents, at most log2 P_SCALE), a rounding and
-# a cubic:
-# x clamped at -125 (the exponent field never underflows), n = round(x) by adding
-# 1.5 * 2^23 (its low bits then hold n), 2^(x - n) for x - n in [-0.5, 0.5] by the cubic
-# (relative error about 2e-4, far below the e4m3 cast's 2^-4 that p then takes), n added
-# into the exponent field
-_POLY_EXP2 = """
-    .reg .b32 x, t, r, f, p, j;
-    max.f32 x, {src}, 0fC2FA0000;
-    add.rn.f32 t, x, 0f4B400000;
-    sub.rn.f32 r, t, 0f4B400000;
-    sub.rn.f32 f, x, r;
-    fma.rn.f32 p, f, 0f3D5FA700, 0f3E77BAF5;
-    fma.rn.f32 p, p, f, 0f3F317D30;
-    fma.rn.f32 p, p, f, 0f3F800000;
-    shl.b32 j, t, 23;
-    add.s32 {dst}, p, j;
-"""
-# the packs of 4 and 2 elements, the last of each by the cubic
-EXP2_POLY4 = tl.constexpr("{\n ex2.approx.ftz.f32 $0, $4;\n ex2.approx.ftz.f32 $1, $5;\n"
-                          " ex2.approx.ftz.f32 $2, $6;\n"
-                          + _POLY_EXP2.format(src="$7", dst="$3") + "}")
-EXP2_POLY2 = tl.constexpr("{\n ex2.approx.ftz.f32 $0, $2;\n"
-                          + _POLY_EXP2.format(src="$3", dst="$1") + "}")
-
-
-@triton.jit
-def _exp2(x, POLY: tl.constexpr):
-    """2^x; POLY = 2 or 4: one element of every POLY by the cubic on the FMA pipe, the others
-    by MUFU.EX2 (at FP8 with 128-wide heads the MUFU's 16 results a clock per SM bound the
-    softmax as much as the tensor cores bound the dots); 0: MUFU.EX2 for all."""
-    if POLY == 4:
-        return tl.inline_asm_elementwise(EXP2_POLY4, "=r,=r,=r,=r,r,r,r,r", [x],
-                                         dtype=tl.float32, is_pure=True, pack=4)
-    elif POLY == 2:
-        return tl.inline_asm_elementwise(EXP2_POLY2, "=r,=r,r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=2)
-    else:
-        return tl.math.exp2(x)
-
-
 @triton.jit
 def _softmax(acc, l_i, m_i, s):
     """One key tile's online-softmax update from scores s (log2 units): probabilities, the
@@ -57,19 +16,18 @@ def _softmax(acc, l_i, m_i, s):
 
 @triton.jit
 def _softmax_fma(acc, l_i, m_i, dot, row_scale, mask, LOG2_P_SCALE: tl.constexpr,
-                 MASKED: tl.constexpr, POLY: tl.constexpr):
+                 MASKED: tl.constexpr):
     """_softmax from the raw Q K^T tile and its per-row scale, with fewer instructions per
     score: the maximum taken over the raw dots and then scaled (exact: the scale is positive
     and rounding is monotonic), the probabilities as exp2 of one fused multiply-add that also
     carries log2(P_SCALE), so p comes out already scaled for its e4m3 cast and the row sum
     carries P_SCALE (the epilogue divides it out). Masked scores are -inf in the maximum and
-    0 in p (a padding row's zero scale would make -inf * 0 a NaN inside the exp2). POLY: p's
-    exp2 as _exp2 takes it."""
+    0 in p (a padding row's zero scale would make -inf * 0 a NaN inside the exp2)."""
     if MASKED:
         dot = tl.where(mask, dot, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(dot, 1) * row_scale)
     alpha = tl.math.exp2(m_i - m_new)
-    p = _exp2(dot * row_scale[:, None] - (m_new - LOG2_P_SCALE)[:, None], POLY)
+    p = tl.math.exp2(dot * row_scale[:, None] - (m_new - LOG2_P_SCALE)[:, None])
     if MASKED:
         p = tl.where(mask, p, 0.0)
     return p, acc * alpha[:, None], l_i * alpha + tl.sum(p, 1), m_new
@@ -87,12 +45,12 @@ def _pv(acc, p, v, P_FP8: tl.constexpr, P_SCALE: tl.constexpr, SCALED: tl.conste
 
 @triton.jit
 def _scores(acc, l_i, m_i, dot, row_scale, offs_n, S, MASKED: tl.constexpr,
-            LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr, POLY: tl.constexpr = 0):
+            LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr):
     """The online-softmax update for one key tile (offs_n its slots) from its raw Q K^T; with
-    FMA, p comes out times P_SCALE (its exp2 as POLY says)."""
+    FMA, p comes out times P_SCALE."""
     if FMA:
         return _softmax_fma(acc, l_i, m_i, dot, row_scale, offs_n[None, :] < S, LOG2_P_SCALE,
-                            MASKED, POLY)
+                            MASKED)
     s = dot * row_scale[:, None]
     if MASKED:
         s = tl.where(offs_n[None, :] < S, s, float("-inf"))
@@ -170,11 +128,10 @@ def attention_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, amax_pt
 def _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, start, S,
               D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               P_FP8: tl.constexpr, V_T: tl.constexpr, P_SCALE: tl.constexpr,
-              LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr, POLY: tl.constexpr):
+              LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr):
     k = k_desc.load([h, start, 0]).reshape(BLOCK_N, D)
     p, acc, l_i, m_new = _scores(acc, l_i, m_i, tl.dot(q, tl.trans(k)), row_scale,
-                                 start + tl.arange(0, BLOCK_N), S, MASKED, LOG2_P_SCALE, FMA,
-                                 POLY)
+                                 start + tl.arange(0, BLOCK_N), S, MASKED, LOG2_P_SCALE, FMA)
     if V_T:
         v = tl.trans(v_desc.load([h, 0, start]).reshape(D, BLOCK_N))
     else:
@@ -186,7 +143,7 @@ def _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, start, S,
 def _attend_tma(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, h, off_m, j0, j1, T, S,
                 sm_scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 P_FP8: tl.constexpr, V_T: tl.constexpr, P_SCALE: tl.constexpr,
-                LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr, POLY: tl.constexpr):
+                LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr):
     """Query tile off_m of head h over key tiles [j0, j1) (the last one ragged where S
     ends inside it): the unnormalized accumulator [BLOCK_M, D], the row sums (times
     P_SCALE) and row maxima, and the tile's query rows."""
@@ -200,12 +157,10 @@ def _attend_tma(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, h, off_m, j0, j1, T, S,
     full = tl.minimum(j1, S // BLOCK_N) * BLOCK_N
     for start in range(j0 * BLOCK_N, full, BLOCK_N):
         acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, start, S,
-                                  D, BLOCK_N, False, P_FP8, V_T, P_SCALE, LOG2_P_SCALE, FMA,
-                                  POLY)
+                                  D, BLOCK_N, False, P_FP8, V_T, P_SCALE, LOG2_P_SCALE, FMA)
     if full < tl.minimum(j1 * BLOCK_N, S):  # the ragged last key tile, in its range
         acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, row_scale, k_desc, v_desc, h, full, S,
-                                  D, BLOCK_N, True, P_FP8, V_T, P_SCALE, LOG2_P_SCALE, FMA,
-                                  POLY)
+                                  D, BLOCK_N, True, P_FP8, V_T, P_SCALE, LOG2_P_SCALE, FMA)
     if not FMA:  # with FMA the row sums carry P_SCALE already
         l_i = l_i * P_SCALE
     return acc, l_i, m_i, offs_m
@@ -216,7 +171,7 @@ def attention_tma_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, 
                          S, sm_scale_log2, stride_ot, D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, P_FP8: tl.constexpr, V_T: tl.constexpr,
                          P_SCALE: tl.constexpr, LOG2_P_SCALE: tl.constexpr,
-                         FMA: tl.constexpr, AMAX: tl.constexpr, POLY: tl.constexpr = 0):
+                         FMA: tl.constexpr, AMAX: tl.constexpr):
     """As attention_kernel, with tiles brought in by the tensor memory accelerator through
     3-D descriptors (out-of-bounds rows read as zero, then masked); V_T: the value store is
     [H, D, S] in memory, so that P V is an FP8 dot with V K-major."""
@@ -224,7 +179,7 @@ def attention_tma_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, 
     acc, l_i, m_i, offs_m = _attend_tma(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, h,
                                         tl.program_id(0) * BLOCK_M, 0, tl.cdiv(S, BLOCK_N), T,
                                         S, sm_scale_log2, D, BLOCK_M, BLOCK_N, P_FP8, V_T,
-                                        P_SCALE, LOG2_P_SCALE, FMA, POLY)
+                                        P_SCALE, LOG2_P_SCALE, FMA)
     out = acc * (tl.load(vs_ptr + h) / l_i)[:, None]
     _store(o_ptr, amax_ptr, out, offs_m, tl.arange(0, D), h, T, stride_ot, D, AMAX)
 
@@ -234,8 +189,7 @@ def attention_split_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr
                            stat_ptr, T, S, NT, whole, parts, sm_scale_log2, stride_ot,
                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            P_FP8: tl.constexpr, V_T: tl.constexpr, P_SCALE: tl.constexpr,
-                           LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr,
-                           POLY: tl.constexpr = 0):
+                           LOG2_P_SCALE: tl.constexpr, FMA: tl.constexpr):
     """attention_tma_kernel over a 1-D grid that fills the GPU's last round: programs
     [0, whole) each take a whole (query tile, head), tiles head-major; program whole + r
     takes key range r % parts (whole key tiles) of tile whole + r // parts and leaves its
@@ -254,7 +208,7 @@ def attention_split_kernel(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr
     acc, l_i, m_i, offs_m = _attend_tma(q_desc, qs_ptr, k_desc, v_desc, ks_ptr, h,
                                         (tile - h * NT) * BLOCK_M, j0, j1, T, S, sm_scale_log2,
                                         D, BLOCK_M, BLOCK_N, P_FP8, V_T, P_SCALE,
-                                        LOG2_P_SCALE, FMA, POLY)
+                                        LOG2_P_SCALE, FMA)
     offs_d = tl.arange(0, D)
     if r < 0:
         out = acc * (tl.load(vs_ptr + h) / l_i)[:, None]
