@@ -18,6 +18,7 @@ import torch
 R_32F, R_16F, R_16BF, R_E4M3 = 0, 2, 14, 28
 COMPUTE_32F = 68
 DESC_TRANSA, DESC_TRANSB, DESC_A_SCALE, DESC_B_SCALE, DESC_FAST_ACCUM = 3, 4, 17, 18, 25
+DESC_EPILOGUE, DESC_BIAS_POINTER, DESC_BIAS_DATA_TYPE, EPILOGUE_BIAS = 7, 8, 26, 4
 DESC_A_SCALE_MODE, DESC_B_SCALE_MODE, SCALE_OUTER_VEC_32F = 31, 32, 3
 PREF_MAX_WORKSPACE = 1
 OUT_TYPES = {torch.bfloat16: R_16BF, torch.float16: R_16F, torch.float32: R_32F}
@@ -75,12 +76,12 @@ class Handle:
 
 class Matmul:
     """One shape and numerics: D [M, N] = (a [M, K] * sa [M]) (w [N, K] * sw [N])^T, plus
-    C [M, N] (beta = 1) when `with_c`. The algorithm is cuBLASLt's heuristic choice, picked
+    C [M, N] (beta = 1) when `with_c`, plus a bias row [N] when `with_bias`. The algorithm is cuBLASLt's heuristic choice, picked
     once, at the first call (the heuristic needs the scale pointers set; it offers one
     algorithm at the rank-slice shapes: docs/PERFORMANCE.md)."""
 
     def __init__(self, h: Handle, M: int, N: int, K: int, out_dtype: torch.dtype,
-                 fast_accum: bool, with_c: bool):
+                 fast_accum: bool, with_c: bool, with_bias: bool = False):
         if out_dtype not in OUT_TYPES:
             raise ValueError(f"cuBLASLt FP8 output dtype {out_dtype} not among {list(OUT_TYPES)}")
         self.h, self.M, self.N, self.K, self.out_dtype = h, M, N, K, out_dtype
@@ -95,8 +96,11 @@ class Matmul:
             self._set(attr, ct(value))
         self.layouts = [self._layout(R_E4M3, K, N, K), self._layout(R_E4M3, K, M, K),
                         self._layout(OUT_TYPES[out_dtype], N, M, N)]
+        if with_bias:  # a bias [N] in the output dtype, added before the one rounding
+            self._set(DESC_EPILOGUE, ctypes.c_int32(EPILOGUE_BIAS))
+            self._set(DESC_BIAS_DATA_TYPE, ctypes.c_int32(OUT_TYPES[out_dtype]))
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if with_c else 0.0)
-        self.with_c = with_c
+        self.with_c, self.with_bias = with_c, with_bias
         self.heuristic: Heuristic | None = None
 
     def _set(self, attr: int, value) -> None:
@@ -133,7 +137,7 @@ class Matmul:
     def _heuristic(self, sa: torch.Tensor, sw: torch.Tensor) -> Heuristic:
         found = self.heuristics(sa, sw)
         if not found:
-            raise RuntimeError(f"cuBLASLt has no FP8 algorithm for M, N, K = "
+            raise ValueError(f"cuBLASLt has no FP8 algorithm for M, N, K = "
                                f"{self.M}, {self.N}, {self.K}")
         return found[0]
 
@@ -153,12 +157,19 @@ class Matmul:
 
     def __call__(self, a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
                  c: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 heuristic: Heuristic | None = None) -> torch.Tensor:
+                 heuristic: Heuristic | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """a [M, K] e4m3, sa M fp32, w [N, K] e4m3, sw N fp32, all contiguous; c [M, N] in the
-        output dtype where this matmul adds one (it may be `out`)."""
+        output dtype where this matmul adds one (it may be `out`); bias [N] in the output
+        dtype where it adds one."""
         if (c is not None) != self.with_c:
             raise ValueError("this matmul adds C: pass c" if self.with_c
                              else "this matmul was made without C")
+        if (bias is not None) != self.with_bias:
+            raise ValueError("this matmul adds a bias: pass bias" if self.with_bias
+                             else "this matmul was made without a bias")
+        if bias is not None:
+            self._set(DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
         d = out if out is not None else torch.empty(self.M, self.N, dtype=self.out_dtype,
                                                     device=a.device)
         if heuristic is None and self.heuristic is None:
@@ -181,3 +192,29 @@ class Matmul:
             lib.cublasLtMatrixLayoutDestroy(layout)
         if getattr(self, "desc", None) and self.desc.value:
             lib.cublasLtMatmulDescDestroy(self.desc)
+
+
+class Gemm:
+    """The plain FP8 GEMM (with its bias in the epilogue where one is given) through
+    cuBLASLt, in `fp8.scaled_mm`'s signature: one Matmul per shape and numerics, made at its
+    first call, over a workspace of `workspace_bytes`. With none, cuBLASLt takes only
+    algorithms that need no workspace, and so issues no memset of it before each matmul
+    (one more node and its gap in a CUDA graph: docs/PERFORMANCE.md)."""
+
+    def __init__(self, device: torch.device, workspace_bytes: int = 0):
+        self.handle = Handle(device, workspace_bytes)
+        self.matmuls: dict[tuple, Matmul] = {}
+
+    def __call__(self, a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
+                 w_scale: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        M, K = a_q.shape
+        N = w_q.shape[0]
+        if not (a_q.is_contiguous() and w_q.is_contiguous()):
+            raise ValueError("a_q and w_q must be contiguous")
+        key = (M, N, K, out_dtype, fast_accum, bias is not None)
+        if key not in self.matmuls:
+            self.matmuls[key] = Matmul(self.handle, M, N, K, out_dtype, fast_accum, False,
+                                       bias is not None)
+        return self.matmuls[key](a_q, a_scale.float().reshape(M).contiguous(), w_q,
+                                 w_scale.float().reshape(N).contiguous(), bias=bias)

@@ -4,12 +4,15 @@ A choice is "<backend>[:<tiles>]", as an engine's GEMM plan records it (manifest
 `kernels.gemm_plan`):
     scaled_mm          cuBLASLt: `torch._scaled_mm`, or cuBLASLt directly where the epilogue
                        takes a C input (plugins/cublaslt.py)
+    cublaslt           cuBLASLt directly, with no workspace: its algorithms that need none,
+                       so no memset of one before each call (plugins/cublaslt.Gemm)
     triton[:<tiles>]   the Triton kernel (plugins/fp8_gemm.py, a GemmTiles spec)
     quack[:<tiles>]    QuACK's CuTe DSL GEMM (plugins/quack_gemm.py, a QuackTiles spec), where
                        quack-kernels is installed
 An epilogue is what the GEMM does with its product before the store; each has one call
 signature and one plain reference, which runs anywhere:
-    plain      gemm(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum) -> [M, N]
+    plain      gemm(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum) -> [M, N]; where
+               `takes_bias(gemm)`, also a keyword bias [N] added before the one rounding
     residual   gemm(a_q, a_scale, w_q, w_scale, residual, out_dtype, fast_accum)
                -> residual + product, rounded once (plugins/gemm_residual.py)
     swiglu     gemm(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, split)
@@ -30,7 +33,7 @@ from charengine import fp8
 
 from . import fp8_gemm, gemm_residual, quack_gemm
 
-BACKENDS = ("scaled_mm", "triton", "quack")
+BACKENDS = ("scaled_mm", "cublaslt", "triton", "quack")
 EPILOGUES = ("plain", "residual", "swiglu")
 # the backends with each epilogue
 SUPPORTED = {"plain": BACKENDS, "residual": ("scaled_mm", "quack"), "swiglu": ("quack",)}
@@ -73,8 +76,12 @@ def select(choice: str | None, epilogue: str = "plain", device="cuda"):
         raise ValueError(f"unknown GEMM epilogue {epilogue!r}; known: {', '.join(EPILOGUES)}")
     c, device = GemmChoice.parse(choice), torch.device(device)
     if epilogue == "plain":
-        if c.backend == "scaled_mm":
+        if c.backend == "scaled_mm" or (c.backend == "cublaslt" and device.type != "cuda"):
             return fp8.scaled_mm
+        if c.backend == "cublaslt":
+            from .cublaslt import Gemm
+
+            return Gemm(device)
         if c.backend == "triton":
             return fp8_gemm.op(c.tiles)
         _need_quack(c)
@@ -98,6 +105,13 @@ def select(choice: str | None, epilogue: str = "plain", device="cuda"):
     tiles = _quack_tiles(c, quack_gemm.SWIGLU_TILES) if c.backend == "quack" \
         else quack_gemm.SWIGLU_TILES
     return functools.partial(quack_gemm.quack_swiglu_mm, tiles=tiles)
+
+
+def takes_bias(gemm) -> bool:
+    """Whether a plain GEMM adds a bias in its epilogue (its `bias` keyword)."""
+    from .cublaslt import Gemm
+
+    return gemm is fp8.scaled_mm or isinstance(gemm, Gemm)
 
 
 def candidates(epilogue: str, quack: bool | None = None) -> tuple[str, ...]:

@@ -3,11 +3,13 @@ tiles over the sink and window as the cache lays them out (12 heads, 3,072 queri
 keys, values stored [head_dim, slots]), and each fused epilogue against the unfused ops it
 replaces (the gated residual + the cross-attention's layer norm + quantize, the gated
 residual + audio + AdaLN + quantize, GELU + quantize, the q RMS norm), and the fused
-pre-attention over its tile sizes, each checked against the reference. Each time is the median microseconds per
+pre-attention over its tile sizes, each checked against the reference; and each FP8 GEMM
+shape through `torch._scaled_mm` and through cuBLASLt with no workspace (`cublaslt`), with the
+memsets each call adds to a CUDA graph. Each time is the median microseconds per
 call of a CUDA graph of many calls over distinct buffers.
 
     python scripts/livetalk_kernels.py --out docs/results/livetalk/kernels_livetalk-1.3b_h200.json
-    python scripts/livetalk_kernels.py --only pre_attention epilogues --out ...
+    python scripts/livetalk_kernels.py --only pre_attention gemm --out ...
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from charengine import fp8
 from charengine.config import preset
 from charengine.engine_format import this_machine
 from charengine.ops import gated_residual, gelu_tanh, modulate, rms_norm_width
-from charengine.plugins import act_quant, pre_attention_width, rms_norm
+from charengine.plugins import act_quant, gemm, pre_attention_width, rms_norm
 from charengine.plugins.attention import AttentionTiles
 from charengine.rope import cos_sin
 
@@ -43,7 +45,8 @@ ACT_BLOCKS = (1024, 2048)
 # the pre-attention's tiles tried (tokens per query/key program, tokens per value program,
 # warps: pre_attention_width.RowTiles)
 PRE_ROWS = tuple((t, v, w) for t in (2, 4, 8) for v in (32, 64) for w in (2, 4, 8))
-SECTIONS = ("attention", "epilogues", "pre_attention")
+SECTIONS = ("attention", "epilogues", "pre_attention", "gemm")
+GEMM_CALLS = 20  # GEMMs per graph (each over one of BUFFERS weights, its own bias added)
 BUFFERS = 4  # distinct inputs per graph, so that repeated calls do not all hit L2
 
 
@@ -156,6 +159,57 @@ def bench_pre_attention(spec, calls: int, reps: int, dev) -> dict:
     return out
 
 
+def gemm_shapes(spec) -> dict[str, tuple[int, int]]:
+    """Each linear kind's (N, K) with fused q, k, v (livetalk/rank.py's FUSED_KINDS)."""
+    d, f = spec.dim, spec.ffn_dim
+    return {"qkv": (3 * d, d), "attn": (d, d), "ffn_up": (f, d), "ffn_down": (d, f)}
+
+
+def bench_gemm(spec, reps: int, dev) -> dict:
+    """Each FP8 GEMM shape of a chunk, bias in the epilogue as the model adds it, through
+    `torch._scaled_mm` (cuBLASLt with torch's workspace) and the `cublaslt` choice (no
+    workspace): microseconds per call in a CUDA graph of GEMM_CALLS calls, and the memsets
+    and kernels a call adds to the graph (a profile of one replay)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    T = spec.chunk_tokens
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = {}
+    for kind, (N, K) in gemm_shapes(spec).items():
+        aq, a_s = fp8.quantize_rows(torch.randn(T, K, device=dev, generator=g))
+        ws = [fp8.quantize_rows(torch.randn(N, K, device=dev, generator=g) * 0.05)
+              for _ in range(BUFFERS)]
+        ws = [(q, s.reshape(-1).contiguous()) for q, s in ws]
+        b = torch.randn(N, device=dev, generator=g).to(torch.bfloat16)
+        ref = fp8.scaled_mm(aq, a_s, *ws[0], torch.bfloat16, True, bias=b)
+        out[kind] = {}
+        for choice in ("scaled_mm", "cublaslt"):
+            mm = gemm.select(choice, "plain", dev)
+            diff = float((mm(aq, a_s, *ws[0], torch.bfloat16, True, bias=b).float()
+                          - ref.float()).abs().max())
+            us = graph_time_us(lambda i: mm(aq, a_s, *ws[i % BUFFERS], torch.bfloat16, True,
+                                            bias=b), GEMM_CALLS, reps)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(GEMM_CALLS):
+                    mm(aq, a_s, *ws[i % BUFFERS], torch.bfloat16, True, bias=b)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                graph.replay()
+                torch.cuda.synchronize(dev)
+            ev = [e for e in prof.key_averages()
+                  if e.device_type == torch.autograd.DeviceType.CUDA]
+            out[kind][choice] = {
+                "us": us, "max_diff_from_scaled_mm": diff,
+                "memsets_per_call": sum(e.count for e in ev if "memset" in e.key.lower())
+                / GEMM_CALLS,
+                "kernels_per_call": sum(e.count for e in ev) / GEMM_CALLS}
+            r = out[kind][choice]
+            print(f"gemm {kind:8s} {choice:9s} {us:7.1f} us  memsets/call "
+                  f"{r['memsets_per_call']:.1f}  kernels/call {r['kernels_per_call']:.1f}  "
+                  f"max diff {diff:.3g}", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -180,6 +234,8 @@ def main():
         result["attention"] = attn
     if "pre_attention" in args.only:
         result["pre_attention"] = bench_pre_attention(spec, args.calls, args.reps, dev)
+    if "gemm" in args.only:
+        result["gemm"] = bench_gemm(spec, args.reps, dev)
     if "epilogues" in args.only:
         result["epilogues"] = bench_epilogues(spec, args.calls, args.reps, dev)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from charengine.assemble import rank_session
 from charengine.config import preset
 from charengine.family import family
+from charengine.livetalk.rank import kinds
 from charengine.livetalk.spec import arm_config
 from charengine.mapping import Mapping
 from charengine.timing import Span, median
@@ -113,19 +114,26 @@ def main():
     ap.add_argument("--chunks", type=int, default=6, help="profiled steady chunks")
     ap.add_argument("--off", nargs="*", default=[], metavar="SWITCH",
                     help="switches of the arm turned off")
+    ap.add_argument("--on", nargs="*", default=[], metavar="SWITCH",
+                    help="switches of the arm turned on")
     ap.add_argument("--fill-sessions", type=int, default=0,
                     help="new sessions whose first chunks are timed and profiled")
+    ap.add_argument("--gemm", default=None, metavar="CHOICE",
+                    help="a GEMM choice (plugins/gemm.py) for every linear kind, as an engine's "
+                         "plan gives them (default: scaled_mm)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     cfg = preset(args.preset)
     fam = family(cfg.family)
     cfg = arm_config(cfg, args.arm)
-    cfg = cfg.replace(switches=dataclasses.replace(cfg.switches, **{n: False for n in args.off}))
+    cfg = cfg.replace(switches=dataclasses.replace(cfg.switches, **{n: False for n in args.off},
+                                                   **{n: True for n in args.on}))
     dev = torch.device("cuda")
     full = fam.random_weights(cfg.model, args.seed)
+    plan = {kind: args.gemm for kind in kinds(cfg)} if args.gemm else None
     session = rank_session(cfg, fam.rank_state(cfg, full), Mapping.single("cuda"),
-                           tables=fam.bake_tables(cfg, full))
+                           tables=fam.bake_tables(cfg, full), gemm_plan=plan)
     fam.warm_up(session)
     spec, shapes = cfg.model, fam.step_shapes(cfg.model)
     g = torch.Generator().manual_seed(args.seed)
@@ -159,7 +167,8 @@ def main():
     floors = {"gemm_floor_ms": flop["gemm_tflop"] / DENSE_TFLOPS[precision] * 1e3,
               "attention_floor_ms": flop["attention_tflop"] / DENSE_TFLOPS[
                   "fp8" if cfg.switches.fp8_kv else "bf16"] * 1e3}
-    summary = {"preset": spec.name, "arm": args.arm, "off": args.off,
+    summary = {"preset": spec.name, "arm": args.arm, "off": args.off, "on": args.on,
+               "gemm": args.gemm,
                "gpu": torch.cuda.get_device_name(dev),
                "date": time.strftime("%Y-%m-%d"), "chunk_ms_p50": median(ms), "chunk_ms": ms,
                "kernel_ms_per_chunk": sum(kernels.values()), **flop, **floors,

@@ -18,6 +18,7 @@ from .. import fp8
 from ..ops import gated_residual, gated_residual_once, gelu_tanh, modulate
 from ..ops import rms_norm_width as rms_norm
 from ..plugins import act_quant, attention, pre_attention_width, rms_norm as rms_norm_op
+from ..plugins import gemm as gemm_mod
 from .cache import ChunkCache
 from .rope import ComplexRotation, TableRotation
 from .spec import LiveTalkSpec
@@ -73,11 +74,10 @@ class LiveTalkDiT:
     def _gemms(self, plan: dict) -> dict:
         """Each FP8 linear kind's GEMM: the builder's choice on a GPU, else _scaled_mm (or
         its exact emulation)."""
-        from ..plugins import gemm
-
         if self.device.type != "cuda":
             return {}
-        return {kind: gemm.select(choice, "plain", self.device) for kind, choice in plan.items()}
+        return {kind: gemm_mod.select(choice, "plain", self.device)
+                for kind, choice in plan.items()}
 
     def linear(self, name: str, x, kind: str | None = None) -> torch.Tensor:
         """x: activations, or (for FP8 weights) their per-token quantization (q, scale),
@@ -90,7 +90,7 @@ class LiveTalkDiT:
         gemm = self.gemms.get(kind, fp8.scaled_mm) if aq.shape[0] == self.spec.chunk_tokens \
             else fp8.scaled_mm
         ws = self.w[f"{name}.weight_scale"]
-        if gemm is fp8.scaled_mm and self.cfg.switches.gemm_bias:
+        if self.cfg.switches.gemm_bias and gemm_mod.takes_bias(gemm):
             return gemm(aq, a_s, w, ws, self.dtype, self.fast_accum, bias=b)
         return gemm(aq, a_s, w, ws, self.dtype, self.fast_accum) + b
 
