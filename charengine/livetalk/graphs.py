@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import graph_upload
 from .step import chunk_step
 
 STEADY, RESET = "steady", "reset"  # the graphs' keys besides the fill chunks' counts
@@ -25,6 +26,13 @@ class GraphedChunk:
 
     def ready(self) -> bool:
         return bool(self.graphs)
+
+    def upload(self) -> None:
+        """Upload every captured graph to the device (graph_upload), so that each one's
+        first replay starts as fast as the later ones."""
+        lib, stream = graph_upload.cudart(), torch.cuda.current_stream()
+        for g in self.graphs.values():
+            graph_upload.upload(lib, g, stream)
 
     def steady(self, cache, c: int) -> bool:
         """Chunk c has the steady shape: the window is full and the cache in its final

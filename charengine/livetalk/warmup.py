@@ -15,8 +15,7 @@ from .step import Session
 def warm_up(session: Session, seed: int = 0) -> int:
     """Run seeded random inputs through `session` (stepping through a GraphedChunk) until
     its graphs are captured (without the ring cache: through the first steady chunk), then
-    with graphs a second session through each of them once; returns the first session's
-    chunks."""
+    upload every graph to the device; returns the chunks run."""
     graphed = session.step_fn
     if not isinstance(graphed, GraphedChunk):
         raise TypeError("warm_up needs a session stepping through a GraphedChunk")
@@ -41,17 +40,10 @@ def warm_up(session: Session, seed: int = 0) -> int:
                          rand(spec.audio_rows, spec.audio_dim))
             if graphed.ready() or (not graphs and k + 1 >= steady):
                 break
-        if graphs and graphed.ready():
-            # a second session through every graph once (the fill chunks', the steady and
-            # the reset chunk's): a graph's first launch uploads it to the device, so a
-            # user's first chunks do not pay for that
-            last = next((i for i in range(k + 1, k + 2 + cc.reset_period)
-                         if session.cache.is_reset(i)), k)
-            session.start(rand(spec.latent_channels, spec.latent_h, spec.latent_w),
-                          rand(spec.prompt_tokens, spec.text_dim))
-            for _ in range(last + 1):
-                session.step(rand(session.cfg.schedule.passes, *latent),
-                             rand(spec.audio_rows, spec.audio_dim))
+        if graphs and graphed.ready() and dev.type == "cuda":
+            # a graph's first launch would upload it to the device: uploaded now, a user's
+            # first chunks do not pay for that (in place of replaying every graph once)
+            graphed.upload()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     if graphs and not graphed.ready():
