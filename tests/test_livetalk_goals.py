@@ -7,12 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "livetalk"
 
 
-def test_goals_follow_from_the_raw_results(tmp_path):
-    committed = json.loads((RESULTS / "goals_livetalk-1.3b_h200_d267961.json").read_text())
+@pytest.mark.parametrize("name", ["goals_livetalk-1.3b_h200_d267961.json",
+                                  "goals_livetalk-1.3b_h200_e697b43.json"])
+def test_goals_follow_from_the_raw_results(tmp_path, name):
+    committed = json.loads((RESULTS / name).read_text())
     src = committed["sources"]
     out = tmp_path / "goals.json"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "livetalk_goals.py"),
