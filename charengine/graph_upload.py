@@ -11,21 +11,16 @@ import ctypes
 
 import torch
 
+from . import cuda_libs
+
 
 def cudart() -> ctypes.CDLL:
-    """The libcudart this process uses: by its soname, else found in this process's mappings
-    (torch's wheels load it from their own directory)."""
-    major = (torch.version.cuda or "").split(".")[0]
-    try:
-        return ctypes.CDLL(f"libcudart.so.{major}")
-    except OSError:
-        pass
+    """The libcudart this process uses."""
     torch.cuda.init()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if "libcudart" in line:
-                return ctypes.CDLL(line.split()[-1])
-    raise RuntimeError("libcudart is not loaded in this process (torch built without CUDA?)")
+    lib = cuda_libs.loaded("libcudart")
+    if lib is None:
+        raise RuntimeError("libcudart is not loaded in this process (torch built without CUDA?)")
+    return lib
 
 
 def upload(lib: ctypes.CDLL, graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:

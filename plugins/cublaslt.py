@@ -14,6 +14,8 @@ import ctypes
 
 import torch
 
+from charengine import cuda_libs
+
 # cublasLt.h, library_types.h, cublas_api.h (CUDA 12 and 13 agree on these values)
 R_32F, R_16F, R_16BF, R_E4M3 = 0, 2, 14, 28
 COMPUTE_32F = 68
@@ -37,21 +39,19 @@ class Heuristic(ctypes.Structure):
 
 
 def load() -> ctypes.CDLL:
-    """The libcublasLt torch uses: by its soname (a library already loaded is matched by its
-    soname), else found in this process's mappings after a rowwise `_scaled_mm` loads it."""
-    major = (torch.version.cuda or "").split(".")[0]
-    try:
-        return ctypes.CDLL(f"libcublasLt.so.{major}")
-    except OSError:
-        pass
+    """The libcublasLt torch uses: loaded already, else after a rowwise `_scaled_mm` loads
+    it."""
+    lib = cuda_libs.loaded("libcublasLt")
+    if lib is not None:
+        return lib
     z = torch.zeros(16, 16, device="cuda").to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
     torch._scaled_mm(z, z.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if "libcublasLt" in line:
-                return ctypes.CDLL(line.split()[-1])
-    raise RuntimeError("libcublasLt is not loaded in this process (torch built without CUDA?)")
+    lib = cuda_libs.loaded("libcublasLt")
+    if lib is None:
+        raise RuntimeError("libcublasLt is not loaded in this process (torch built without "
+                           "CUDA?)")
+    return lib
 
 
 def check(status: int, what: str) -> None:
@@ -195,7 +195,7 @@ class Matmul:
 
 
 class Gemm:
-    """The plain FP8 GEMM (with its bias in the epilogue where one is given) through
+    """The FP8 GEMM (with its bias, or a C input, in the epilogue where one is given) through
     cuBLASLt, in `fp8.scaled_mm`'s signature: one Matmul per shape and numerics, made at its
     first call, over a workspace of `workspace_bytes`. With none, cuBLASLt takes only
     algorithms that need no workspace, and so issues no memset of it before each matmul
@@ -207,14 +207,15 @@ class Gemm:
 
     def __call__(self, a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
                  w_scale: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, c: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """c [M, N] in out_dtype, if given, is added to the product (beta = 1)."""
         M, K = a_q.shape
         N = w_q.shape[0]
         if not (a_q.is_contiguous() and w_q.is_contiguous()):
             raise ValueError("a_q and w_q must be contiguous")
-        key = (M, N, K, out_dtype, fast_accum, bias is not None)
+        key = (M, N, K, out_dtype, fast_accum, c is not None, bias is not None)
         if key not in self.matmuls:
-            self.matmuls[key] = Matmul(self.handle, M, N, K, out_dtype, fast_accum, False,
-                                       bias is not None)
+            self.matmuls[key] = Matmul(self.handle, *key)
         return self.matmuls[key](a_q, a_scale.float().reshape(M).contiguous(), w_q,
-                                 w_scale.float().reshape(N).contiguous(), bias=bias)
+                                 w_scale.float().reshape(N).contiguous(), c, bias=bias)

@@ -31,7 +31,7 @@ import torch
 
 from charengine import fp8
 
-from . import fp8_gemm, gemm_residual, quack_gemm
+from . import cublaslt, fp8_gemm, gemm_residual, quack_gemm
 
 BACKENDS = ("scaled_mm", "cublaslt", "triton", "quack")
 EPILOGUES = ("plain", "residual", "swiglu")
@@ -79,9 +79,7 @@ def select(choice: str | None, epilogue: str = "plain", device="cuda"):
         if c.backend == "scaled_mm" or (c.backend == "cublaslt" and device.type != "cuda"):
             return fp8.scaled_mm
         if c.backend == "cublaslt":
-            from .cublaslt import Gemm
-
-            return Gemm(device)
+            return cublaslt.Gemm(device)
         if c.backend == "triton":
             return fp8_gemm.op(c.tiles)
         _need_quack(c)
@@ -109,9 +107,7 @@ def select(choice: str | None, epilogue: str = "plain", device="cuda"):
 
 def takes_bias(gemm) -> bool:
     """Whether a plain GEMM adds a bias in its epilogue (its `bias` keyword)."""
-    from .cublaslt import Gemm
-
-    return gemm is fp8.scaled_mm or isinstance(gemm, Gemm)
+    return gemm is fp8.scaled_mm or isinstance(gemm, cublaslt.Gemm)
 
 
 def candidates(epilogue: str, quack: bool | None = None) -> tuple[str, ...]:

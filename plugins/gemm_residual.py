@@ -37,23 +37,14 @@ def reference(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
 
 
 class LtGemmResidual:
-    """`reference` on CUDA tensors through cuBLASLt, one matmul (descriptor and algorithm)
-    per shape and numerics, made at its first call."""
+    """`reference` on CUDA tensors through cuBLASLt (cublaslt.Gemm with the residual as its C
+    input), one matmul (descriptor and algorithm) per shape and numerics, made at its first
+    call."""
 
     def __init__(self, device: torch.device, workspace_bytes: int = WORKSPACE_BYTES):
-        from .cublaslt import Handle
+        from .cublaslt import Gemm
 
-        self.handle = Handle(device, workspace_bytes)
-        self.matmuls = {}
-
-    def matmul(self, M: int, N: int, K: int, out_dtype: torch.dtype, fast_accum: bool,
-               with_c: bool):
-        from .cublaslt import Matmul
-
-        key = (M, N, K, out_dtype, fast_accum, with_c)
-        if key not in self.matmuls:
-            self.matmuls[key] = Matmul(self.handle, *key)
-        return self.matmuls[key]
+        self.gemm = Gemm(device, workspace_bytes)
 
     def __call__(self, a_q, a_scale, w_q, w_scale, residual, out_dtype, fast_accum):
         if not a_q.is_cuda:
@@ -67,6 +58,4 @@ class LtGemmResidual:
                                      or residual.dtype != out_dtype):
             raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
                              f"the output {(M, N)} {out_dtype}")
-        mm = self.matmul(M, N, K, out_dtype, fast_accum, residual is not None)
-        return mm(a_q, a_scale.float().reshape(M).contiguous(), w_q,
-                  w_scale.float().contiguous(), residual)
+        return self.gemm(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum, c=residual)

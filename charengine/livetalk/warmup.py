@@ -40,7 +40,7 @@ def warm_up(session: Session, seed: int = 0) -> int:
                          rand(spec.audio_rows, spec.audio_dim))
             if graphed.ready() or (not graphs and k + 1 >= steady):
                 break
-        if graphs and graphed.ready() and dev.type == "cuda":
+        if graphs and graphed.ready():
             # a graph's first launch would upload it to the device: uploaded now, a user's
             # first chunks do not pay for that (in place of replaying every graph once)
             graphed.upload()
