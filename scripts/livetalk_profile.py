@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from charengine.assemble import rank_session
 from charengine.config import preset
+from charengine.engine_format import MANIFEST
 from charengine.family import family
 from charengine.livetalk.rank import kinds
 from charengine.livetalk.spec import arm_config
@@ -121,6 +122,9 @@ def main():
     ap.add_argument("--gemm", default=None, metavar="CHOICE",
                     help="a GEMM choice (plugins/gemm.py) for every linear kind, as an engine's "
                          "plan gives them (default: scaled_mm)")
+    ap.add_argument("--engine", type=Path, default=None,
+                    help="an engine directory from charbuild: its rank-0 GEMM plan, the GEMMs "
+                         "charrun runs (instead of --gemm)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -132,6 +136,8 @@ def main():
     dev = torch.device("cuda")
     full = fam.random_weights(cfg.model, args.seed)
     plan = {kind: args.gemm for kind in kinds(cfg)} if args.gemm else None
+    if args.engine is not None:
+        plan = json.loads((args.engine / MANIFEST).read_text())["kernels"]["gemm_plan"]["0"]
     session = rank_session(cfg, fam.rank_state(cfg, full), Mapping.single("cuda"),
                            tables=fam.bake_tables(cfg, full), gemm_plan=plan)
     fam.warm_up(session)
@@ -168,7 +174,7 @@ def main():
               "attention_floor_ms": flop["attention_tflop"] / DENSE_TFLOPS[
                   "fp8" if cfg.switches.fp8_kv else "bf16"] * 1e3}
     summary = {"preset": spec.name, "arm": args.arm, "off": args.off, "on": args.on,
-               "gemm": args.gemm,
+               "gemm": args.gemm, "gemm_plan": plan,
                "gpu": torch.cuda.get_device_name(dev),
                "date": time.strftime("%Y-%m-%d"), "chunk_ms_p50": median(ms), "chunk_ms": ms,
                "kernel_ms_per_chunk": sum(kernels.values()), **flop, **floors,
