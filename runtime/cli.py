@@ -22,6 +22,7 @@ from rich.table import Table
 from .formats import (DEFAULT_BACKGROUND, FIT_POLICIES, MAX_IMAGE_PIXELS, VIDEO_SUFFIXES,
                       ImageFit)
 from .lifecycle import GRACE_PERIOD_S
+from .prefetch import readahead_in_background
 from .probes import HEALTH_PORT
 from .run_config import RunConfig, livekit_setup_error
 
@@ -200,13 +201,17 @@ def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serv
 
 
 def run(cfg: RunConfig):
-    """Run the mode `cfg` selects (RunConfig.mode); bad input ends in one line."""
+    """Run the mode `cfg` selects (RunConfig.mode); bad input ends in one line. Once the
+    input is checked, the engine's files are read into the page cache in the background
+    (runtime/prefetch.py) while torch is imported."""
     if cfg.mode == "check":
+        readahead_in_background(cfg.engine_dir)
         return ready_check(cfg)
     image_fit = image_fit_of(cfg)
     if cfg.mode in ("serve", "livekit"):
         if cfg.serve:
             check_port(cfg.host, cfg.port)
+        readahead_in_background(cfg.engine_dir)
         return serve_live(cfg, image_fit)
     from .media import MediaError, check_video_out
 
@@ -216,6 +221,7 @@ def run(cfg: RunConfig):
         check_video_out(cfg.out)
     except MediaError as e:
         raise click.ClickException(str(e)) from None
+    readahead_in_background(cfg.engine_dir)
     render_file(cfg, image_fit)
 
 

@@ -7,7 +7,9 @@ Before each run every file of the engine directory is written back (fsync) and e
 the page cache with posix_fadvise(POSIX_FADV_DONTNEED), which needs no privileges: the
 engine comes from the disk, while Python, torch and the other installed libraries stay as
 the system has them. Every run is a fresh Python process. A probe first reads the evicted
-engine once (sequential 16 MiB reads) to give the disk's own rate beside the start-up.
+engine once (sequential 16 MiB reads) to give the disk's own rate beside the start-up. As
+charrun does, the child asks for the engine's files to be read into the page cache in the
+background before it imports torch (runtime/prefetch.py; --no-readahead: without).
 
     python scripts/livetalk_startup.py --target h200-livetalk --runs 5      # one H200: builds
     python scripts/livetalk_startup.py --engine DIR --runs 3                # an engine built
@@ -82,6 +84,10 @@ def child(args) -> None:
     """charrun's path to ready (as `charrun --check`), then one session; prints READY and
     DONE lines of JSON."""
     imports_at = time.time()
+    if args.readahead:  # as charrun does before it imports torch
+        from charengine.runtime.prefetch import readahead_in_background
+
+        readahead_in_background(args.engine)
     import torch
 
     from charengine.runtime.distributed import open_worker
@@ -133,7 +139,8 @@ def child(args) -> None:
 def run_child(args) -> dict:
     evicted = evict(args.engine)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--engine",
-           str(args.engine), "--steps", str(args.steps)]
+           str(args.engine), "--steps", str(args.steps)] \
+        + ([] if args.readahead else ["--no-readahead"])
     t_start, t0 = time.time(), time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     out = {"evicted_bytes": evicted}
@@ -181,6 +188,9 @@ def main():
     ap.add_argument("--gpu-tag", default="h200")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help="a .json file, or a directory for startup_<preset>_<gpu>_<n>.json")
+    ap.add_argument("--no-readahead", dest="readahead", action="store_false",
+                    help="start without charrun's background read of the engine's files "
+                         "(runtime/prefetch.py)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -213,6 +223,7 @@ def main():
         "build_s": build_s, "built_with": manifest["built_with"],
         "page_cache": "every engine file fsynced and evicted (posix_fadvise DONTNEED) before "
                       "each run",
+        "readahead": args.readahead,
         "ready_s": statistics.median(ready), "ready_s_runs": ready,
         "ready_in_process_s": statistics.median(r["ready"]["ready_in_process_s"] for r in runs),
         "compiles": max(r["ready"]["compiles"] for r in runs),

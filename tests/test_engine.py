@@ -280,3 +280,19 @@ def test_a_damaged_side_file_stops_the_worker_as_the_checksum_mismatch_it_is(cop
     engine = Engine.load(copy, verify_in_background=True)
     with pytest.raises(EngineError, match="checksum mismatch in side.safetensors"):
         Worker(engine)
+
+
+def test_readahead_asks_for_every_engine_file(engine_dir, tmp_path):
+    """charrun's background read of an engine (runtime/prefetch.py) covers every file under
+    it, nested ones too (an engine's shipped kernels), and leaves them as they were."""
+    from charengine.runtime.prefetch import readahead
+
+    files = [p for p in engine_dir.rglob("*") if p.is_file()]
+    before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+    assert readahead(engine_dir) == sum(size for size, _ in before.values()) > 0
+    assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files} == before
+    (tmp_path / "kernels" / "k").mkdir(parents=True)
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    (tmp_path / "kernels" / "k" / "b.cubin").write_bytes(b"12345")
+    assert readahead(tmp_path) == 8
+    assert readahead(tmp_path / "missing") == 0
