@@ -68,23 +68,28 @@ class AttentionTiles:
     # tile). Where the tiles leave the GPU's last round part-empty, that round's tiles are
     # split over their keys to fill it, and a second kernel merges the parts (`split_plan`)
     split_ctas_per_sm: int = 0
+    # with TMA, P as e4m3 and the FMA softmax, where the keys are whole tiles: the Gluon kernel
+    # that computes the next key tile's scores during this tile's softmax
+    # (kernels/attention_pipelined.py; `stages` is its ring of key and value buffers)
+    pipelined: bool = False
 
     def spec(self) -> str:
         """The text `parse` reads back."""
         return (f"{self.block_m},{self.block_n},{self.warps},{self.stages},"
                 f"{'fp8' if self.p_fp8 else 'bf16'},{'tma' if self.tma else 'ptr'}"
                 + (",fma" if self.fma else "")
-                + (f",split{self.split_ctas_per_sm}" if self.split_ctas_per_sm else ""))
+                + (f",split{self.split_ctas_per_sm}" if self.split_ctas_per_sm else "")
+                + (",pipe" if self.pipelined else ""))
 
     @classmethod
     def parse(cls, text: str) -> "AttentionTiles":
-        """'128,128,8,3,bf16,tma[,fma][,splitN]' -> AttentionTiles (the fields after the
-        fourth optional)."""
+        """'128,128,8,3,bf16,tma[,fma][,splitN][,pipe]' -> AttentionTiles (the fields after
+        the fourth optional)."""
         f = text.split(",")
         flags = f[6:]
         split = next((int(x[len("split"):]) for x in flags if x.startswith("split")), 0)
         return cls(int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4] == "fp8",
-                   len(f) > 5 and f[5] == "tma", "fma" in flags, split)
+                   len(f) > 5 and f[5] == "tma", "fma" in flags, split, "pipe" in flags)
 
 
 # LiveTalk-1.3B's attention (12 heads x 3,072 queries over 15,360 keys): 576 tiles of 64
@@ -124,6 +129,9 @@ def triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
     grid = ((T + tiles.block_m - 1) // tiles.block_m, H)
     ks, vs = k_scale.reshape(H).float(), v_scale.reshape(H).float()
     sm_scale_log2 = math.log2(math.e) / math.sqrt(D)
+    if tiles.pipelined and amax is None and pipelined_fits(q8, k8, v8, tiles):
+        return _attention_pipelined(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles,
+                                    grid)
     if tiles.tma:
         return _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, amax, tiles,
                               grid)
@@ -136,6 +144,52 @@ def triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
         BLOCK_N=tiles.block_n, P_FP8=tiles.p_fp8, P_SCALE=P_SCALE,
         LOG2_P_SCALE=LOG2_P_SCALE, FMA=tiles.fma, AMAX=amax is not None,
         num_warps=tiles.warps, num_stages=tiles.stages)
+    return out
+
+
+def pipelined_fits(q8, k8, v8, tiles: AttentionTiles) -> bool:
+    """The pipelined kernel's conditions: one warpgroup of 64-row tiles, P as e4m3 with the
+    FMA softmax, contiguous queries, keys in whole tiles with rows of D, values stored
+    transposed ([H, D, slots] in memory)."""
+    H, T, D = q8.shape
+    return (tiles.block_m == 64 and tiles.warps == 4 and tiles.p_fp8 and tiles.fma
+            and q8.is_contiguous() and k8.shape[1] % tiles.block_n == 0 and k8.stride(1) == D
+            and k8.stride(0) % D == 0 and v8.stride(1) == 1
+            and v8.stride(0) == D * v8.stride(2))
+
+
+def _attention_pipelined(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles, grid):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .kernels.attention import attention_merge_kernel
+    from .kernels.attention_pipelined import attention_pipelined_kernel
+
+    H, T, D = q8.shape
+    S = k8.shape[1]
+    bm, bn = tiles.block_m, tiles.block_n
+    k_cap, v_cap = k8.stride(0) // D, v8.stride(2)
+
+    def desc(t, shape, row_stride, block):
+        return TensorDescriptor(t, shape, [row_stride, 1], block,
+                                gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
+
+    whole, parts = grid[0] * H, 1
+    if tiles.split_ctas_per_sm:
+        slots = tiles.split_ctas_per_sm * torch.cuda.get_device_properties(
+            q8.device).multi_processor_count
+        whole, parts = split_plan(grid[0] * H, S // bn, slots)
+    rest = grid[0] * H - whole
+    part = torch.empty((max(rest * parts, 1), bm, D), dtype=torch.float32, device=q8.device)
+    stat = torch.empty((max(rest * parts, 1), 2, bm), dtype=torch.float32, device=q8.device)
+    attention_pipelined_kernel[(whole + rest * parts,)](
+        desc(q8, [H * T, D], D, [bm, D]), q_scale, desc(k8, [H * k_cap, D], D, [bn, D]),
+        desc(v8, [H * D, S], v_cap, [D, bn]), ks, vs, out, part, stat, T, S, k_cap, grid[0],
+        whole, parts, sm_scale_log2, out.stride(0), D=D, BLOCK_M=bm, BLOCK_N=bn,
+        STAGES=tiles.stages, LOG2_P_SCALE=LOG2_P_SCALE, num_warps=tiles.warps)
+    if rest:
+        attention_merge_kernel[(rest,)](part, stat, vs, out, T, grid[0], whole, parts,
+                                        out.stride(0), D=D, BLOCK_M=bm, num_warps=4)
     return out
 
 

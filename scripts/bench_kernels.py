@@ -123,7 +123,9 @@ def bench_attention(H, T, S, D, calls, reps, dev, extra=()):
         vv = vt if layout == "v_transposed" else v8
         key = f"triton_m{t.block_m}_n{t.block_n}_w{t.warps}_s{t.stages}_" \
               f"{'pfp8' if t.p_fp8 else 'pbf16'}_{layout}{'_tma' if t.tma else ''}" \
-              f"{'_fma' if t.fma else ''}"
+              f"{'_fma' if t.fma else ''}" \
+              f"{f'_split{t.split_ctas_per_sm}' if t.split_ctas_per_sm else ''}" \
+              f"{'_pipelined' if t.pipelined else ''}"
         try:
             o = attention.triton_attention(q8, qs, k8[0], vv[0], ks, vs, torch.bfloat16, t)
             us = graph_time_us(lambda i: attention.triton_attention(

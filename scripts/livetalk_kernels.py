@@ -28,7 +28,7 @@ from charengine.config import preset
 from charengine.engine_format import this_machine
 from charengine.ops import gated_residual, gelu_tanh, modulate, rms_norm_width
 from charengine.plugins import act_quant, gemm, pre_attention_width, rms_norm
-from charengine.plugins.attention import AttentionTiles
+from charengine.plugins.attention import SPLIT_TILES, AttentionTiles
 from charengine.rope import cos_sin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,7 +38,10 @@ from bench_kernels import bench_attention, graph_time_us  # noqa: E402
 EXTRA_TILES = tuple(AttentionTiles(bm, bn, w, st, True, True, True)
                     for bm, bn, w, st in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
                                           (128, 128, 8, 4), (128, 256, 8, 2), (64, 64, 4, 4),
-                                          (64, 128, 4, 5), (64, 256, 4, 2), (128, 64, 8, 4)))
+                                          (64, 128, 4, 5), (64, 256, 4, 2), (128, 64, 8, 4))) \
+    + (SPLIT_TILES,) \
+    + tuple(AttentionTiles(64, bn, 4, st, split_ctas_per_sm=sp, pipelined=True)
+            for bn, st, sp in ((128, 3, 2), (128, 3, 0), (64, 6, 2), (64, 4, 3)))
 GELU_WARPS = (4, 8, 32)  # beside the kernel's default (16)
 NORM_WARPS = (1, 2, 4, 8)
 ACT_BLOCKS = (1024, 2048)

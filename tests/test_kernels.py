@@ -524,3 +524,51 @@ def test_split_attention_matches_the_whole_tiles(H, T, S, D, fma):
     dist = [float((o.float() - ref).norm() / ref.norm()) for o in (out, whole)]
     assert dist[0] <= 1.05 * dist[1], dist
 
+
+
+@pytest.mark.parametrize("H,T,S,D,cap,split", [(12, 3072, 15360, 128, 15360, 2),
+                                               (12, 3072, 14464, 128, 15392, 2),
+                                               (4, 130, 1280, 128, 1280, 2),
+                                               (3, 77, 512, 64, 528, 0)])
+@pytest.mark.parametrize("block_n,stages", [(128, 3), (64, 6)])
+def test_pipelined_attention_matches_the_tma_kernel(H, T, S, D, cap, split, block_n, stages):
+    """The Gluon kernel (AttentionTiles.pipelined: the next key tile's scores during this
+    tile's softmax) against the reference within the FP8 bound and as close to it as the
+    Triton kernel, over keys in a larger ring (cap slots a head), ragged query tiles, and key
+    ranges of odd and even length (the split grid)."""
+    g = torch.Generator(device=DEV).manual_seed(T + S)
+    q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=DEV, generator=g))
+    k8 = fp8_tensor((H, cap, D), g)[:, :S]
+    store = fp8_tensor((H, D, cap + (-cap % 16)), g)
+    vt = store[..., :S].transpose(1, 2)
+    ks = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.02 + 0.01
+    vs = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.02 + 0.01
+    tiles = attention.AttentionTiles(64, block_n, 4, stages, split_ctas_per_sm=split,
+                                     pipelined=True)
+    assert attention.pipelined_fits(q8, k8, vt, tiles)
+    ref = attention.reference(q8, qs, k8, vt, ks, vs, torch.float32)
+    out = torch.full((T, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    attention.triton_attention(q8, qs, k8, vt, ks, vs, torch.bfloat16, tiles, out=out)
+    tma = attention.triton_attention(q8, qs, k8, vt, ks, vs, torch.bfloat16,
+                                     dataclasses.replace(tiles, pipelined=False))
+    vmax = (vt.float().abs().amax(dim=(1, 2)) * vs.flatten()).max()
+    assert not out.isnan().any()
+    assert (out.float() - ref).abs().max() <= 2.0 ** -4 * vmax
+    dist = [float((o.float() - ref).norm() / ref.norm()) for o in (out, tma)]
+    assert dist[0] <= 1.05 * dist[1], dist
+
+
+def test_pipelined_attention_falls_back_where_it_does_not_fit():
+    """Keys that end inside a tile go to the Triton kernel (the same result as without the
+    switch)."""
+    g = torch.Generator(device=DEV).manual_seed(2)
+    H, T, S, D = 2, 64, 200, 64
+    q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=DEV, generator=g))
+    k8, v8 = fp8_tensor((H, S, D), g), fp8_tensor((H, S, D), g)
+    ks = vs = torch.full((H, 1, 1), 0.02, device=DEV)
+    tiles = attention.AttentionTiles(pipelined=True)
+    assert not attention.pipelined_fits(q8, k8, v8, tiles)
+    a = attention.triton_attention(q8, qs, k8, v8, ks, vs, torch.bfloat16, tiles)
+    b = attention.triton_attention(q8, qs, k8, v8, ks, vs, torch.bfloat16,
+                                   attention.AttentionTiles())
+    assert torch.equal(a, b)

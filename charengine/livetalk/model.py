@@ -11,6 +11,8 @@ tables (baked_adaln) or the time MLPs per call."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -54,8 +56,10 @@ class LiveTalkDiT:
         # references on CPU ones) or the plain per-linear quantization
         self.fp8_linears = any(v.dtype == fp8.FP8 for v in self.w.values())
         self.act = act_quant.select() if sw.fused_act_quant else act_quant.plain()
+        tiles = attention.SPLIT_TILES if sw.split_attention else attention.AttentionTiles()
         self.attend8 = attention.select(
-            self.spec.head_dim, attention.SPLIT_TILES if sw.split_attention else None)
+            self.spec.head_dim,
+            dataclasses.replace(tiles, pipelined=True) if sw.pipelined_attention else tiles)
         self.pre_attention = pre_attention_width.op if sw.fused_pre_attention else None
         self.pre_attention_wide = pre_attention_width.op if sw.fused_wide_pre_attention \
             else None

@@ -269,12 +269,17 @@ class LiveTalkSwitches:
     # (those tiles split over their keys, then merged: plugins/attention.SPLIT_TILES), not one
     # program per tile of 64 queries
     split_attention: bool = True
+    # with the FP8 attention kernel: the Gluon kernel that computes the next key tile's scores
+    # while this tile's softmax runs (plugins/kernels/attention_pipelined.py), not the Triton
+    # kernel that waits for them
+    pipelined_attention: bool = True
 
     ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
              "fp8_kv", "fused_qkv", "fused_act_quant", "gemm_bias", "fused_pre_attention",
              "fused_residual", "fused_gelu_quant", "fused_q_norm", "skip_commit_tail",
              "graph_fill_chunks", "shared_kv_stores", "fused_wide_pre_attention",
-             "fused_calibration", "fused_delta_rotation", "split_attention")
+             "fused_calibration", "fused_delta_rotation", "split_attention",
+             "pipelined_attention")
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":
