@@ -36,7 +36,7 @@ from charengine.timing import Span, median
 # kernel name fragment -> group (the first match wins)
 GROUPS = (("pre_attention", "pre-attention"), ("attention_tma_kernel", "fp8 attention"),
           ("attention_kernel", "fp8 attention"), ("attention_split", "fp8 attention"),
-          ("attention_merge", "fp8 attention"),
+          ("attention_merge", "fp8 attention"), ("attention_pipelined", "fp8 attention"),
           ("flash", "sdpa attention"), ("fmha", "sdpa attention"), ("cudnn", "sdpa attention"),
           ("nvjet", "gemm"), ("gemm", "gemm"), ("sm90_xmma", "gemm"), ("cutlass", "gemm"),
           ("quant", "quantization"), ("norm", "norms"), ("index", "cache write"),
