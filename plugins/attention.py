@@ -147,15 +147,29 @@ def triton_attention(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype,
     return out
 
 
+# the pipelined kernel's shape: one warpgroup (4 warps) of wgmma's 64-row tiles, on Hopper
+PIPELINED_ROWS, PIPELINED_WARPS, PIPELINED_ARCH = 64, 4, (9, 0)
+# its ring refills tile j - 1's stage with tile j + STAGES - 1 during tile j's turn, and
+# tile j + 1's keys must already be there: at least three stages (fewer would wait forever)
+PIPELINED_MIN_STAGES = 3
+# TMA: a row of the value store is 16-byte aligned
+TMA_ROW_BYTES = 16
+
+
 def pipelined_fits(q8, k8, v8, tiles: AttentionTiles) -> bool:
-    """The pipelined kernel's conditions: one warpgroup of 64-row tiles, P as e4m3 with the
-    FMA softmax, contiguous queries, keys in whole tiles with rows of D, values stored
-    transposed ([H, D, slots] in memory)."""
+    """The pipelined kernel's conditions: a Hopper GPU, one warpgroup of 64-row tiles, at
+    least three stages, P as e4m3 with the FMA softmax, contiguous queries, keys in whole
+    tiles (at least one) with rows of D, values stored transposed ([H, D, slots] in memory,
+    rows 16-byte aligned)."""
     H, T, D = q8.shape
-    return (tiles.block_m == 64 and tiles.warps == 4 and tiles.p_fp8 and tiles.fma
-            and q8.is_contiguous() and k8.shape[1] % tiles.block_n == 0 and k8.stride(1) == D
-            and k8.stride(0) % D == 0 and v8.stride(1) == 1
-            and v8.stride(0) == D * v8.stride(2))
+    S = k8.shape[1]
+    return (tiles.block_m == PIPELINED_ROWS and tiles.warps == PIPELINED_WARPS
+            and tiles.stages >= PIPELINED_MIN_STAGES and tiles.p_fp8 and tiles.fma
+            and q8.is_cuda
+            and torch.cuda.get_device_capability(q8.device) == PIPELINED_ARCH
+            and q8.is_contiguous() and S >= tiles.block_n and S % tiles.block_n == 0
+            and k8.stride(1) == D and k8.stride(0) % D == 0 and v8.stride(1) == 1
+            and v8.stride(0) == D * v8.stride(2) and v8.stride(2) % TMA_ROW_BYTES == 0)
 
 
 def _attention_pipelined(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles, grid):

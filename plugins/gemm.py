@@ -144,7 +144,8 @@ def time_choices(weights: list[tuple[torch.Tensor, torch.Tensor]], m: int, out_d
     median of `reps` passes after one warm pass. On a CUDA device the walk is captured in a
     CUDA graph and its replays are timed, as the runtime runs GEMMs: a choice's host-side
     setup per call, which a replay does not pay, does not count. A choice that refuses the
-    shape with ValueError (tiles that do not fit) is left out."""
+    shape with ValueError (tiles that do not fit) is left out; one that cannot be captured
+    stops the build with its error."""
     from charengine.timing import cuda_ms, median
 
     dev = weights[0][0].device
@@ -172,14 +173,15 @@ def _graphed(fn, dev: torch.device):
     call on a side stream (the lazy setup a first call does stays out of the capture)."""
     if dev.type != "cuda":
         return fn
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(dev).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    with torch.cuda.device(dev):
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
     return graph.replay
 
 

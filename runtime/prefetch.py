@@ -1,6 +1,6 @@
 """The engine's files read into the page cache in the background from the moment charrun
-starts: the kernel reads them (posix_fadvise WILLNEED) while the process imports torch, so the
-weights' reads that follow hit the cache instead of the disk.
+starts: the operating system reads them (posix_fadvise WILLNEED) while the process imports
+torch, so the weights' reads that follow hit the cache instead of the disk.
 
     readahead(engine_dir) -> int        ask for every file under engine_dir; the bytes asked
     readahead_in_background(engine_dir) the same on a daemon thread (the hint itself can take

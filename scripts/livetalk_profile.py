@@ -128,6 +128,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.engine is not None and args.gemm is not None:
+        ap.error("give --engine (its GEMM plan) or --gemm, not both")
     cfg = preset(args.preset)
     fam = family(cfg.family)
     cfg = arm_config(cfg, args.arm)

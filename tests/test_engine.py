@@ -2,6 +2,7 @@
 with one clear line, never a traceback."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -282,6 +283,7 @@ def test_a_damaged_side_file_stops_the_worker_as_the_checksum_mismatch_it_is(cop
         Worker(engine)
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
 def test_readahead_asks_for_every_engine_file(engine_dir, tmp_path):
     """charrun's background read of an engine (runtime/prefetch.py) covers every file under
     it, nested ones too (an engine's shipped kernels), and leaves them as they were."""

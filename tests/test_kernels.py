@@ -525,21 +525,26 @@ def test_split_attention_matches_the_whole_tiles(H, T, S, D, fma):
     assert dist[0] <= 1.05 * dist[1], dist
 
 
-
 @pytest.mark.parametrize("H,T,S,D,cap,split", [(12, 3072, 15360, 128, 15360, 2),
                                                (12, 3072, 14464, 128, 15392, 2),
                                                (4, 130, 1280, 128, 1280, 2),
-                                               (3, 77, 512, 64, 528, 0)])
+                                               (3, 77, 512, 64, 528, 0),
+                                               (2, 64, 256, 128, 272, 0),
+                                               (2, 64, 384, 128, 384, 0)])
 @pytest.mark.parametrize("block_n,stages", [(128, 3), (64, 6)])
 def test_pipelined_attention_matches_the_tma_kernel(H, T, S, D, cap, split, block_n, stages):
     """The Gluon kernel (AttentionTiles.pipelined: the next key tile's scores during this
     tile's softmax) against the reference within the FP8 bound and as close to it as the
-    Triton kernel, over keys in a larger ring (cap slots a head), ragged query tiles, and key
-    ranges of odd and even length (the split grid)."""
+    Triton kernel, over keys in a larger ring (cap slots a head, NaN past S: a read beyond the
+    keys shows), ragged query tiles, key ranges of odd and even length (the split grid), and
+    one, two, three and four key tiles a program (the loop's tails, a ring's worth)."""
     g = torch.Generator(device=DEV).manual_seed(T + S)
     q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=DEV, generator=g))
-    k8 = fp8_tensor((H, cap, D), g)[:, :S]
+    ring = fp8_tensor((H, cap, D), g)
+    ring.view(torch.uint8)[:, S:] = NAN8
+    k8 = ring[:, :S]
     store = fp8_tensor((H, D, cap + (-cap % 16)), g)
+    store.view(torch.uint8)[..., S:] = NAN8
     vt = store[..., :S].transpose(1, 2)
     ks = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.02 + 0.01
     vs = torch.rand(H, 1, 1, device=DEV, generator=g) * 0.02 + 0.01
@@ -560,7 +565,7 @@ def test_pipelined_attention_matches_the_tma_kernel(H, T, S, D, cap, split, bloc
 
 def test_pipelined_attention_falls_back_where_it_does_not_fit():
     """Keys that end inside a tile go to the Triton kernel (the same result as without the
-    switch)."""
+    switch); fewer than three stages (the ring would wait forever) and no keys are refused."""
     g = torch.Generator(device=DEV).manual_seed(2)
     H, T, S, D = 2, 64, 200, 64
     q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=DEV, generator=g))
@@ -568,6 +573,11 @@ def test_pipelined_attention_falls_back_where_it_does_not_fit():
     ks = vs = torch.full((H, 1, 1), 0.02, device=DEV)
     tiles = attention.AttentionTiles(pipelined=True)
     assert not attention.pipelined_fits(q8, k8, v8, tiles)
+    whole = fp8_tensor((H, 256, D), g)
+    vt = fp8_tensor((H, D, 256), g).transpose(1, 2)
+    assert attention.pipelined_fits(q8, whole, vt, tiles)
+    assert not attention.pipelined_fits(q8, whole, vt, dataclasses.replace(tiles, stages=2))
+    assert not attention.pipelined_fits(q8, whole[:, :0], vt[:, :0], tiles)
     a = attention.triton_attention(q8, qs, k8, v8, ks, vs, torch.bfloat16, tiles)
     b = attention.triton_attention(q8, qs, k8, v8, ks, vs, torch.bfloat16,
                                    attention.AttentionTiles())
