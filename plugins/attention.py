@@ -176,7 +176,6 @@ def _attention_pipelined(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles,
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .kernels.attention import attention_merge_kernel
     from .kernels.attention_pipelined import attention_pipelined_kernel
 
     H, T, D = q8.shape
@@ -188,23 +187,46 @@ def _attention_pipelined(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, tiles,
         return TensorDescriptor(t, shape, [row_stride, 1], block,
                                 gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
 
-    whole, parts = grid[0] * H, 1
-    if tiles.split_ctas_per_sm:
-        slots = tiles.split_ctas_per_sm * torch.cuda.get_device_properties(
-            q8.device).multi_processor_count
-        whole, parts = split_plan(grid[0] * H, S // bn, slots)
+    whole, parts = _split_grid(tiles, grid[0] * H, S // bn, q8.device)
     rest = grid[0] * H - whole
-    part = torch.empty((max(rest * parts, 1), bm, D), dtype=torch.float32, device=q8.device)
-    stat = torch.empty((max(rest * parts, 1), 2, bm), dtype=torch.float32, device=q8.device)
+    part, stat = _split_buffers(rest, parts, bm, D, q8.device)
     attention_pipelined_kernel[(whole + rest * parts,)](
         desc(q8, [H * T, D], D, [bm, D]), q_scale, desc(k8, [H * k_cap, D], D, [bn, D]),
         desc(v8, [H * D, S], v_cap, [D, bn]), ks, vs, out, part, stat, T, S, k_cap, grid[0],
         whole, parts, sm_scale_log2, out.stride(0), D=D, BLOCK_M=bm, BLOCK_N=bn,
         STAGES=tiles.stages, LOG2_P_SCALE=LOG2_P_SCALE, num_warps=tiles.warps)
-    if rest:
-        attention_merge_kernel[(rest,)](part, stat, vs, out, T, grid[0], whole, parts,
-                                        out.stride(0), D=D, BLOCK_M=bm, num_warps=4)
+    _merge(part, stat, vs, out, T, grid[0], whole, rest, parts)
     return out
+
+
+def _split_grid(tiles: AttentionTiles, n_tiles: int, key_tiles: int, device
+                ) -> tuple[int, int]:
+    """(whole, parts) of `split_plan` at the tiles' programs per SM on `device`; every tile
+    whole where the tiles do not split."""
+    if not tiles.split_ctas_per_sm:
+        return n_tiles, 1
+    slots = tiles.split_ctas_per_sm * torch.cuda.get_device_properties(
+        device).multi_processor_count
+    return split_plan(n_tiles, key_tiles, slots)
+
+
+def _split_buffers(rest: int, parts: int, bm: int, D: int, device):
+    """The split programs' accumulators [rest * parts, bm, D] and row statistics
+    [rest * parts, 2, bm] (fp32), for `attention_merge_kernel`; one unused slot where no
+    tile is split (a kernel still takes the pointers)."""
+    n = max(rest * parts, 1)
+    return (torch.empty((n, bm, D), dtype=torch.float32, device=device),
+            torch.empty((n, 2, bm), dtype=torch.float32, device=device))
+
+
+def _merge(part, stat, vs, out, T, NT, whole, rest, parts):
+    """The `rest` split tiles' parts merged into `out` (nothing where no tile was split)."""
+    from .kernels.attention import attention_merge_kernel
+
+    bm, D = part.shape[1], part.shape[2]
+    if rest:
+        attention_merge_kernel[(rest,)](part, stat, vs, out, T, NT, whole, parts,
+                                        out.stride(0), D=D, BLOCK_M=bm, num_warps=4)
 
 
 def _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, amax, tiles, grid):
@@ -224,25 +246,20 @@ def _attention_tma(q8, q_scale, k8, v8, ks, vs, sm_scale_log2, out, amax, tiles,
     consts = dict(D=D, BLOCK_M=bm, BLOCK_N=bn, P_FP8=tiles.p_fp8, V_T=v_t, P_SCALE=P_SCALE,
                   LOG2_P_SCALE=LOG2_P_SCALE, FMA=tiles.fma, num_warps=tiles.warps,
                   num_stages=tiles.stages)
-    whole, parts = grid[0] * H, 1
-    if tiles.split_ctas_per_sm and amax is None:
-        slots = tiles.split_ctas_per_sm * torch.cuda.get_device_properties(
-            q8.device).multi_processor_count
-        whole, parts = split_plan(grid[0] * H, -(-S // bn), slots)
+    whole, parts = (grid[0] * H, 1) if amax is not None else \
+        _split_grid(tiles, grid[0] * H, -(-S // bn), q8.device)
     if parts == 1:
         attention_tma_kernel[grid](*descs, out if amax is None else amax, T, S, sm_scale_log2,
                                    out.stride(0), AMAX=amax is not None, **consts)
         return out
-    from .kernels.attention import attention_merge_kernel, attention_split_kernel
+    from .kernels.attention import attention_split_kernel
 
     rest = grid[0] * H - whole
-    part = torch.empty((rest * parts, bm, D), dtype=torch.float32, device=q8.device)
-    stat = torch.empty((rest * parts, 2, bm), dtype=torch.float32, device=q8.device)
+    part, stat = _split_buffers(rest, parts, bm, D, q8.device)
     attention_split_kernel[(whole + rest * parts,)](
         *descs, part, stat, T, S, grid[0], whole, parts, sm_scale_log2, out.stride(0),
         **consts)
-    attention_merge_kernel[(rest,)](part, stat, vs, out, T, grid[0], whole, parts,
-                                    out.stride(0), D=D, BLOCK_M=bm, num_warps=4)
+    _merge(part, stat, vs, out, T, grid[0], whole, rest, parts)
     return out
 
 
