@@ -26,11 +26,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from charengine.assemble import rank_session
 from charengine.config import preset
-from charengine.engine_format import MANIFEST
 from charengine.family import family
 from charengine.livetalk.rank import kinds
 from charengine.livetalk.spec import arm_config
 from charengine.mapping import Mapping
+from charengine.runtime.engine import Engine
 from charengine.timing import Span, median
 
 # kernel name fragment -> group (the first match wins)
@@ -139,7 +139,7 @@ def main():
     full = fam.random_weights(cfg.model, args.seed)
     plan = {kind: args.gemm for kind in kinds(cfg)} if args.gemm else None
     if args.engine is not None:
-        plan = json.loads((args.engine / MANIFEST).read_text())["kernels"]["gemm_plan"]["0"]
+        plan = Engine.load(args.engine).gemm_plan(0)
     session = rank_session(cfg, fam.rank_state(cfg, full), Mapping.single("cuda"),
                            tables=fam.bake_tables(cfg, full), gemm_plan=plan)
     fam.warm_up(session)
