@@ -26,6 +26,11 @@ from charengine.ops import gated_residual_once, gelu_tanh, modulate, swiglu
 from . import registry
 
 reference = fp8.quantize_rows
+# act_quant's one-pass kernel: rows up to ROW_LANES lanes wide held in registers, a warp for
+# each ROW_LANES_PER_WARP (one warp at LiveTalk's 1,536: 4.2 us a 3,072-token call against
+# 5.4 with four and 6.3 for the two-pass kernel; scripts/livetalk_kernels.py --only
+# epilogues, docs/PERFORMANCE.md)
+ROW_LANES, ROW_LANES_PER_WARP = 16384, 2048
 
 
 def norm_modulate_reference(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
@@ -87,16 +92,24 @@ def concat_quant_reference(attn: torch.Tensor, attn_amax: torch.Tensor | None, y
     return fp8.quantize(torch.cat([attn, y], dim=-1), scale), scale
 
 
-def triton_act_quant(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (row-major) -> (q [M, K] e4m3, scale [M, 1] fp32)."""
+def triton_act_quant(x: torch.Tensor, block: int = 1024, warps: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (row-major) -> (q [M, K] e4m3, scale [M, 1] fp32). Rows up to ROW_LANES
+    wide take the one-pass kernel (the row in registers; `warps` default: one per
+    ROW_LANES_PER_WARP lanes), wider ones the two-pass kernel in blocks of `block`."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
     q = torch.empty((M, K), dtype=fp8.FP8, device=x.device)
     s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
-    from .kernels.act_quant import act_quant_kernel
+    from .kernels.act_quant import act_quant_kernel, act_quant_row_kernel
 
-    act_quant_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK=block)
+    hi, lo = pow2_split(K)
+    if hi + lo <= ROW_LANES:
+        act_quant_row_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), HI=hi, LO=lo,
+                                   num_warps=warps or max(1, (hi + lo) // ROW_LANES_PER_WARP))
+    else:
+        act_quant_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK=block)
     return q, s
 
 

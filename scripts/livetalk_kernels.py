@@ -44,7 +44,7 @@ EXTRA_TILES = tuple(AttentionTiles(bm, bn, w, st, True, True, True)
             for bn, st, sp in ((128, 3, 2), (128, 3, 0), (64, 6, 2), (64, 4, 3)))
 GELU_WARPS = (4, 8, 32)  # beside the kernel's default (16)
 NORM_WARPS = (1, 2, 4, 8)
-ACT_BLOCKS = (1024, 2048)
+ACT_WARPS = (1, 2, 4)  # act_quant's one-pass row kernel
 # the pre-attention's tiles tried (tokens per query/key program, tokens per value program,
 # warps: pre_attention_width.RowTiles)
 PRE_ROWS = tuple((t, v, w) for t in (2, 4, 8) for v in (32, 64) for w in (2, 4, 8))
@@ -101,10 +101,11 @@ def bench_epilogues(spec, calls: int, reps: int, dev) -> dict:
             h[i % 4], o[i % 4], gate, shift, scale, eps, warps), calls, reps)
         out[f"residual_norm_modulate_quant_w{warps}"] = {"fused_us": us}
         print(f"residual_norm_modulate_quant at {warps} warps {us:8.1f} us", flush=True)
-    for block in ACT_BLOCKS:  # the attention output's quantization, its row in one or two
-        us = graph_time_us(lambda i: act_quant.triton_act_quant(h[i % 4], block), calls, reps)
-        out[f"act_quant_b{block}"] = {"fused_us": us}
-        print(f"act_quant at block {block}            {us:8.1f} us", flush=True)
+    for warps in ACT_WARPS:  # the attention output's quantization, its row in registers
+        us = graph_time_us(lambda i: act_quant.triton_act_quant(h[i % 4], warps=warps), calls,
+                           reps)
+        out[f"act_quant_w{warps}"] = {"fused_us": us}
+        print(f"act_quant at {warps} warps               {us:8.1f} us", flush=True)
     return out
 
 

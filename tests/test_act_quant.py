@@ -10,8 +10,11 @@ from charengine import fp8
 triton = pytest.importorskip("triton")
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k", [(757, 7680), (757, 12800), (33, 100)])
+@pytest.mark.parametrize("m,k", [(757, 7680), (757, 12800), (3072, 1536), (33, 100),
+                                 (33, 20000)])
 def test_kernel_matches_reference_on_the_gpu(m, k):
+    """Rows held in registers (up to ROW_LANES lanes: one power of two, or two) and wider
+    ones in two passes (20,000)."""
     from charengine.plugins.act_quant import triton_act_quant
 
     x = (torch.randn(m, k, device="cuda") * 5).to(torch.bfloat16)

@@ -7,6 +7,11 @@ from .fp8_math import AMAX_FLOOR, FP8_MAX, to_e4m3
 
 
 @triton.jit
+def _quant_store(ptr, x, s, r, mask):
+    tl.store(ptr, to_e4m3(x.to(tl.float32), s, r), mask=mask)
+
+
+@triton.jit
 def act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_x
@@ -22,6 +27,30 @@ def act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.const
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         tl.store(q_ptr + row * stride_q + offs, to_e4m3(x, scale, r), mask=offs < K)
+
+
+@triton.jit
+def act_quant_row_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, HI: tl.constexpr,
+                         LO: tl.constexpr):
+    """One token's row in one pass, held in registers in its own dtype: its largest power of
+    two of lanes (HI <= K, no mask) and the power of two that covers the rest (LO, masked; 0
+    when there is none), so a 1,536-wide row takes 1,024 + 512 lanes and is read once, where
+    act_quant_kernel reads it twice in blocks that mask a third of their lanes."""
+    row = tl.program_id(0)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    oh = tl.arange(0, HI)
+    x_hi = tl.load(x_row + oh)
+    amax = tl.max(tl.abs(x_hi.to(tl.float32)), 0)
+    if LO > 0:
+        ol = HI + tl.arange(0, LO)
+        x_lo = tl.load(x_row + ol, mask=ol < K, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x_lo.to(tl.float32)), 0))
+    s = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
+    tl.store(s_ptr + row, s)
+    r = tl.math.div_rn(1.0, s)
+    _quant_store(q_row + oh, x_hi, s, r, None)
+    if LO > 0:
+        _quant_store(q_row + ol, x_lo, s, r, ol < K)
 
 
 @triton.jit
@@ -120,11 +149,6 @@ def swiglu_quant_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, strid
 
 
 @triton.jit
-def _quant_store(ptr, x, s, r, mask):
-    tl.store(ptr, to_e4m3(x.to(tl.float32), s, r), mask=mask)
-
-
-@triton.jit
 def swiglu_quant_row_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, stride_g,
                             stride_u, stride_q, A_HI: tl.constexpr, A_LO: tl.constexpr,
                             M_HI: tl.constexpr, M_LO: tl.constexpr):
@@ -200,18 +224,34 @@ def concat_quant_kernel(a_ptr, am_ptr, y_ptr, ym_ptr, q_ptr, s_ptr, A, F, PA, PY
     tl.store(q_ptr + row * stride_q + offs, to_e4m3(x, s, r), mask=offs < A + F)
 
 
-SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # GELU's tanh form: sqrt(2 / pi)
-GELU_KAPPA = tl.constexpr(0.044715)
+SQRT_2_OVER_PI = 0.7978845608028654  # GELU's tanh form: u = sqrt(2 / pi) (x + kappa x^3)
+GELU_KAPPA = 0.044715
+LOG2_E = 1.4426950408889634
+# -2 u log2(e) = x (A + B x^2): GELU's exponent, its constants folded into one multiply-add
+GELU_EXP2_A = tl.constexpr(-2.0 * SQRT_2_OVER_PI * LOG2_E)
+GELU_EXP2_B = tl.constexpr(-2.0 * SQRT_2_OVER_PI * LOG2_E * GELU_KAPPA)
+
+
+@triton.jit
+def _over_one_plus_exp2(x, e):
+    """x / (1 + 2^e) in four instructions: the hardware's 2^e and reciprocal (each within two
+    fp32 units; flushed to zero below fp32's normal range, where 1 + 2^e is 1), then one
+    multiply. Triton's exp2 and division add range fix-ups this needs not."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .f32 t; ex2.approx.ftz.f32 t, $2; add.ftz.f32 t, t, 0f3F800000; "
+        "rcp.approx.ftz.f32 t, t; mul.f32 $0, $1, t; }",
+        "=r,r,r", [x, e], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
 def _gelu_dt(x_ptr, offs, m, dt):
     """GELU (tanh form) in fp32, rounded to dt: 0.5 x (1 + tanh(u)) written as the equal
     x / (1 + exp(-2 u)), which needs no tanh and keeps its accuracy near u = 0 and for
-    large |u| (where torch's kernel and this one both reach x or 0)."""
-    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    inner = SQRT_2_OVER_PI * (x + GELU_KAPPA * (x * x * x))
-    return (x / (1.0 + tl.exp(-2.0 * inner))).to(dt)
+    large |u| (where torch's kernel and this one both reach x or 0). The kernel is
+    instruction-bound: the exponent is one multiply-add and one multiply, the quotient
+    `_over_one_plus_exp2`'s (docs/PERFORMANCE.md, "Kernels alone")."""
+    x = tl.load(x_ptr + offs, mask=m, other=0.0 if m is not None else None).to(tl.float32)
+    return _over_one_plus_exp2(x, x * tl.math.fma(x * x, GELU_EXP2_B, GELU_EXP2_A)).to(dt)
 
 
 @triton.jit
@@ -224,7 +264,7 @@ def gelu_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, HI: tl.constex
     dt = x_ptr.dtype.element_ty
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
     oh = tl.arange(0, HI)
-    y_hi = _gelu_dt(x_row, oh, oh < K, dt)
+    y_hi = _gelu_dt(x_row, oh, None, dt)
     amax = tl.max(tl.abs(y_hi.to(tl.float32)), 0)
     if LO > 0:
         ol = HI + tl.arange(0, LO)
@@ -233,6 +273,6 @@ def gelu_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, HI: tl.constex
     s = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
     tl.store(s_ptr + row, s)
     r = tl.math.div_rn(1.0, s)
-    _quant_store(q_row + oh, y_hi, s, r, oh < K)
+    _quant_store(q_row + oh, y_hi, s, r, None)
     if LO > 0:
         _quant_store(q_row + ol, y_lo, s, r, ol < K)

@@ -28,5 +28,7 @@ def div_scale(x, s, r):
 
 @triton.jit
 def to_e4m3(x, s, r):
-    """x (fp32) quantized with scale s (r = div_rn(1, s)): clamp(x / s, +-FP8_MAX) as e4m3."""
-    return tl.clamp(div_scale(x, s, r), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    """x (fp32) quantized with scale s (r = div_rn(1, s)): clamp(x / s, +-FP8_MAX) as e4m3.
+    The conversion saturates (cvt.rn.satfinite on Hopper and Blackwell: finite values past
+    the range become +-FP8_MAX), so it is the clamp, at no instruction of its own."""
+    return div_scale(x, s, r).to(tl.float8e4nv)
