@@ -2,7 +2,10 @@
 graphs replayed), a preset with random weights and an arm as scripts/livetalk_long_session.py
 takes them, profiled over several chunks with the window full; each kernel's time per chunk,
 grouped (GEMMs, attention, quantization, norms and the rest), beside the chunk's GEMM and
-attention floors at the GPU's dense peaks.
+attention floors at the GPU's dense peaks. Each timed chunk's inputs are drawn and on the
+device before its timing starts, as livetalk_long_session.py times a chunk (drawn inside
+it, their host-side draw left the GPU idle for about 4 ms of each chunk's figure:
+docs/PERFORMANCE.md).
 
     python scripts/livetalk_profile.py --preset livetalk-1.3b --arm preset \\
         --out docs/results/livetalk/profile_livetalk-1.3b_preset.json
@@ -79,7 +82,8 @@ def grouped(kernels: collections.Counter) -> dict[str, float]:
     return dict(groups.most_common())
 
 
-def first_chunks(session, shapes, step, steady: int, sessions: int, dev) -> list[dict]:
+def first_chunks(session, shapes, step, inputs, steady: int, sessions: int, dev
+                 ) -> list[dict]:
     """Chunks 0 .. steady of `sessions` new sessions, each timed on the device; then one more
     session with each of those chunks profiled alone. Per chunk: its times, their median,
     its kernels' time and their groups."""
@@ -90,8 +94,9 @@ def first_chunks(session, shapes, step, steady: int, sessions: int, dev) -> list
                       torch.randn(shapes.prompt, device=dev))
         for c in range(steady + 1):
             if s < sessions:
+                ins = inputs()
                 with Span(dev) as sp:
-                    step()
+                    step(ins)
                 times[c].append(sp.ms)
             else:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -146,9 +151,14 @@ def main():
     spec, shapes = cfg.model, fam.step_shapes(cfg.model)
     g = torch.Generator().manual_seed(args.seed)
 
-    def step():
-        noise = torch.randn(shapes.noise_shape, generator=g).to(dev)
-        return session.step(noise, torch.randn(shapes.features, generator=g).to(dev))
+    def inputs():
+        """A chunk's noise and audio features, on the device before the chunk is timed (as
+        livetalk_long_session.py times it): their host-side draw is not diffusion."""
+        return (torch.randn(shapes.noise_shape, generator=g).to(dev),
+                torch.randn(shapes.features, generator=g).to(dev))
+
+    def step(ins=None):
+        return session.step(*(ins or inputs()))
 
     with torch.inference_mode():
         session.start(torch.randn(shapes.reference, generator=g).to(dev),
@@ -157,15 +167,17 @@ def main():
             step()
         ms = []
         for _ in range(args.chunks):
+            ins = inputs()
             with Span(dev) as s:
-                step()
+                step(ins)
             ms.append(s.ms)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.chunks):
                 step()
             torch.cuda.synchronize()
-        fill = first_chunks(session, shapes, step, fam.steady_from(cfg), args.fill_sessions, dev) \
+        fill = first_chunks(session, shapes, step, inputs, fam.steady_from(cfg),
+                            args.fill_sessions, dev) \
             if args.fill_sessions else None
     kernels = kernel_ms(prof, args.chunks)
     calls = kernel_ms(prof, args.chunks, calls=True)
