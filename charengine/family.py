@@ -139,12 +139,8 @@ class Family(Protocol):
                      graphed: bool = False):
         """The one assembly of a rank: its model, cache and session."""
 
-    def warm_up(self, session, capture: bool = True) -> int:
-        """Run every phase of a session once (compiles kernels, captures graphs; with
-        capture=False the capture waits for `capture`)."""
-
-    def capture(self, session) -> None:
-        """The step graphs a `warm_up(session, capture=False)` left uncaptured."""
+    def warm_up(self, session) -> int:
+        """Run every phase of a session once (compiles kernels, captures graphs)."""
 
     def gemm_problems(self, cfg, state, mapping) -> dict:
         """The GEMMs the builder's plan chooses for: linear -> (epilogue, weights, M)."""
@@ -206,11 +202,8 @@ class FamilyModules:
     def param_shapes(self, spec) -> dict[str, tuple[int, ...]]:
         return self._module("weights").param_shapes(spec)
 
-    def warm_up(self, session, capture: bool = True) -> int:
-        return self._module("warmup").warm_up(session, capture=capture)
-
-    def capture(self, session) -> None:
-        self._module("warmup").capture(session)
+    def warm_up(self, session) -> int:
+        return self._module("warmup").warm_up(session)
 
     def random_side_state(self, spec, seed: int) -> dict:
         return self._module("sidenets").random_side_state(spec, seed)

@@ -75,12 +75,11 @@ def ready_check(cfg: RunConfig) -> None:
     compiles = getattr(worker, "compiles", 0)
     worker.close()
     parts = [f"engine checked in {t1 - t0:.2f} s"]
-    if startup.get("warm_up_steps"):
-        parts.append(f"weights loaded and a {startup['warm_up_steps']}-step warm-up run in "
-                     f"{startup['load_s']:.2f} s")
-        parts.append(f"graphs captured in {startup['warm_up_s']:.2f} s")
-    elif startup:
+    if startup:
         parts.append(f"weights loaded in {startup['load_s']:.2f} s")
+    if startup.get("warm_up_steps"):
+        parts.append(f"{startup['warm_up_steps']}-step warm-up and graph capture in "
+                     f"{startup['warm_up_s']:.2f} s")
     click.echo(f"ready in {total:.2f} s ({', '.join(parts)}); {compiles} kernels compiled "
                "at start")
 

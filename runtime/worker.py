@@ -6,11 +6,9 @@ compiled kernels are loaded, a warm-up session has run every code path, and the 
 reset step graphs are captured (`startup` says what each part took and `compiles` counts
 what had to be compiled, zero for an engine with its kernels). The side networks load on a
 thread of their own beside the DiT's weights (their file read straight onto their device,
-their modules made without initialization: sidenets' load_side) while the DiT's weights load
-and its warm-up steps run eagerly; the step graphs are captured once that thread is joined.
-`startup` gives `load_s` (all that, to the join), `warm_up_s` (the capture and the timing of
-a step's processing) and `parts`, each part's seconds (wall) and, on a GPU, the allocator's
-peak after it (`peak_mb_after_*`)."""
+their modules made without initialization: sidenets' load_side), and `startup["parts"]`
+times each part of the load (seconds, wall) and, on a GPU, gives the allocator's peak after
+each (`peak_mb_after_*`)."""
 
 from __future__ import annotations
 
@@ -106,21 +104,16 @@ class Worker:
         self.spec = cfg.model
         with engine.verifying():
             # the side networks on their own thread: their read, their modules (and the
-            # imports those need) and their warm-up overlap the DiT's read, assembly and eager
-            # warm-up; it is joined before the DiT's graphs are captured (a capture must see
-            # no other thread's CUDA calls)
+            # imports those need) and their warm-up overlap the DiT's read and assembly; it
+            # is joined before the DiT's warm-up, whose graph capture must see no other
+            # thread's CUDA calls
             pool = ThreadPoolExecutor(1, thread_name_prefix="side-networks")
             side = pool.submit(load_side, engine, self.family, self.decoder_device, side_parts)
             pool.shutdown(wait=False)
             self.session = load_rank(engine, mapping, parts=parts)
-            steps = 0
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
                 parts["peak_mb_after_dit_load"] = peak_mb(self.device)
-                # the DiT's eager warm-up (every kernel loaded, the first steady step run)
-                # beside the side networks' load; the graphs are captured after the join
-                with timed(parts, "dit_warm_up_s"):
-                    steps = self.family.warm_up(self.session, capture=False)
             with timed(parts, "side_wait_s"):
                 self.side = side.result()
             with timed(parts, "verify_wait_s"):
@@ -130,12 +123,12 @@ class Worker:
         self.side_stream = torch.cuda.Stream(self.decoder_device) \
             if self.decoder_device.type == "cuda" else None
         t1 = time.perf_counter()
+        steps = 0
         # a steady step's processing time (time_processing), measured where the worker warms
         # up; a live session's first deadlines use it
         self.processing_s: float | None = None
         if self.device.type == "cuda":
-            with timed(parts, "capture_s"):
-                self.family.capture(self.session)
+            steps = self.family.warm_up(self.session)
             parts["peak_mb_after_dit_warm_up"] = peak_mb(self.device)
             with timed(parts, "time_processing_s"):
                 self.processing_s = self.time_processing()

@@ -7,7 +7,6 @@ from charengine import fp8
 from charengine.config import Switches, preset
 from charengine.characters.graphs import GraphedStep
 from charengine.assemble import rank_session, rank_state
-from charengine.family import family_of
 from charengine.mapping import Mapping
 from charengine.characters.weights import random_weights
 from rollout import rel_err, session_inputs
@@ -16,14 +15,11 @@ pytestmark = pytest.mark.gpu
 STEPS = 60  # filling, calibration, steady, one reset (42)
 
 
-def run(cfg, device, step_fn=None, sync_check=False, gemm_plan=None, prepare=None):
-    """STEPS steps of one session; `prepare(session)` first where given (a warm-up)."""
+def run(cfg, device, step_fn=None, sync_check=False, gemm_plan=None):
     kw = {} if step_fn is None else {"step_fn": step_fn}
     kw |= {"gemm_plan": gemm_plan} if gemm_plan else {}
     s = rank_session(cfg, rank_state(cfg, random_weights(cfg.model, 0)), Mapping.single(device),
                      **{"graphed": False, **kw})
-    if prepare is not None:
-        prepare(s)
     ref, prompt, noise, audio = (t.to(device) for t in session_inputs(cfg.model, STEPS))
     outs = []
     with torch.inference_mode():
@@ -40,24 +36,6 @@ def test_graphed_steps_equal_eager_steps_and_never_sync():
     cfg = preset("tiny")
     eager = run(cfg, "cuda")
     graphed = run(cfg, "cuda", GraphedStep(), sync_check=True)
-    assert rel_err(eager, graphed).max() < 1e-3
-
-
-def test_graphs_captured_after_a_deferred_warm_up_replay_what_eager_steps_compute():
-    """charrun's worker runs the warm-up's eager steps beside the side networks' load and
-    captures the graphs after (warm_up(capture=False), then capture): those graphs, in a new
-    session, give the eager steps."""
-    cfg = preset("tiny")
-    fam = family_of(cfg)
-
-    def warm_up_deferred(s):
-        fam.warm_up(s, capture=False)
-        assert not s.step_fn.ready()
-        fam.capture(s)
-        assert s.step_fn.ready()
-
-    eager = run(cfg, "cuda")
-    graphed = run(cfg, "cuda", GraphedStep(), sync_check=True, prepare=warm_up_deferred)
     assert rel_err(eager, graphed).max() < 1e-3
 
 

@@ -1,8 +1,6 @@
 """ar_step replayed from captured CUDA graphs: one for the steady step, one for the reset
 step (delta rotation first). The cache-filling steps and the FP8 calibration run eagerly,
-once per session; the first steady step runs eagerly too and warms every kernel up, and the
-graphs are captured after it (or, where the capture is deferred, `defer`, when
-`capture_deferred` is called). Inputs
+once per session; the first steady step runs eagerly too and warms every kernel up. Inputs
 are copied into static buffers; the write position, temporal index and reset schedule live
 in the cache's device counter, so a replay needs no host state."""
 
@@ -20,17 +18,9 @@ class GraphedStep:
         self.noise = self.audio = None
         self.pool = None
         self.warm = False
-        # with defer, the first steady step runs eagerly and leaves the capture to
-        # capture_deferred
-        self.defer = False
 
     def ready(self) -> bool:
         return bool(self.graphs)
-
-    def capture_deferred(self, model, cache) -> None:
-        if not self.warm:
-            raise RuntimeError("no capture deferred: the first steady step has not run")
-        self.capture(model, cache)
 
     def capture(self, model, cache) -> None:
         """Capture both graphs. Capturing records kernels without running them, so the
@@ -51,8 +41,7 @@ class GraphedStep:
             self.noise, self.audio = noise.clone(), audio.clone()
             out = ar_step(model, cache, noise, audio, reset=reset)
             torch.cuda.synchronize()
-            if not self.defer:
-                self.capture(model, cache)
+            self.capture(model, cache)
             self.warm = True
             return out
         self.noise.copy_(noise)

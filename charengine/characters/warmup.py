@@ -16,12 +16,10 @@ from .sidenets import SideNets
 from .step import Session
 
 
-def warm_up(session: Session, seed: int = 0, capture: bool = True) -> int:
+def warm_up(session: Session, seed: int = 0) -> int:
     """Run seeded random inputs through `session` (its step_fn a GraphedStep) until its
-    first steady step has run and its graphs are captured; returns the steps taken. With
-    capture=False the capture is left to `capture` (the eager steps may run beside another
-    thread's CUDA work, a capture may not). The next session's start resets every cache and
-    counter, and the graphs stay valid (they read the same buffers)."""
+    graphs are captured; returns the steps taken. The next session's start resets every
+    cache and counter, and the graphs stay valid (they read the same buffers)."""
     graphed = session.step_fn
     if not isinstance(graphed, GraphedStep):
         raise TypeError("warm_up needs a session stepping through a GraphedStep")
@@ -33,31 +31,19 @@ def warm_up(session: Session, seed: int = 0, capture: bool = True) -> int:
         return torch.randn(shape, generator=g, device=dev)
 
     limit = max(cc.window, cc.calibration_steps) + 2
-    graphed.defer = not capture
     with torch.inference_mode():
         session.start(rand(spec.latent_channels, spec.latent_h, spec.latent_w),
                       rand(spec.prompt_tokens, spec.text_dim))
         for k in range(limit):
             session.step(rand(spec.latent_channels, spec.latent_h, spec.latent_w),
                          rand(spec.audio_tokens, spec.audio_dim))
-            if graphed.warm:
+            if graphed.ready():
                 break
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    if not graphed.warm:
+    if not graphed.ready():
         raise RuntimeError(f"warm-up reached no steady step in {limit} steps")
     return k + 1
-
-
-def capture(session: Session) -> None:
-    """The graphs whose capture `warm_up(session, capture=False)` deferred."""
-    graphed = session.step_fn
-    if graphed.ready():
-        return
-    graphed.defer = False
-    with torch.inference_mode():
-        graphed.capture_deferred(session.model, session.cache)
-    torch.cuda.synchronize(session.cache.step.device)
 
 
 def warm_up_side(side: SideNets, spec, device: torch.device) -> None:

@@ -2,8 +2,7 @@
 reset chunk (delta rotation first) and, with graph_fill_chunks, one for each chunk before the
 steady one (the chunks that fill the cache, each of its own shape). Without it those run
 eagerly every session. The first steady chunk of a process runs eagerly and warms every
-kernel up (the warm-up session's); every graph is captured after it, or, where the capture is
-deferred (`defer`), when `capture_deferred` is called. Inputs are copied into
+kernel up (the warm-up session's); every graph is captured after it. Inputs are copied into
 static buffers; write slots and positions live on the device (the ring cache), so a replay
 needs no host state. The FP8 calibration between the fill and steady chunks stays eager
 (Session.step: a few kernels, once a session)."""
@@ -24,24 +23,9 @@ class GraphedChunk:
         self.outputs: dict[str | int, torch.Tensor] = {}
         self.noise = self.audio = None
         self.pool = None
-        # with defer, the first steady chunk runs eagerly and leaves its capture (at the next
-        # chunk count, kept in `deferred`) to capture_deferred
-        self.defer = False
-        self.deferred: int | None = None
 
     def ready(self) -> bool:
         return bool(self.graphs)
-
-    def warm(self) -> bool:
-        """The first steady chunk has run: every kernel is loaded, the graphs captured or
-        their capture deferred."""
-        return self.ready() or self.deferred is not None
-
-    def capture_deferred(self, model, cache) -> None:
-        if self.deferred is None:
-            raise RuntimeError("no capture deferred: the first steady chunk has not run")
-        self.capture(model, cache, self.deferred)
-        self.deferred = None
 
     def upload(self) -> None:
         """Upload every captured graph to the device (graph_upload), so that each one's
@@ -96,10 +80,7 @@ class GraphedChunk:
             self.audio = audio.to(model.device).clone()
             out = chunk_step(model, cache, noise, audio, c)
             torch.cuda.synchronize()
-            if self.defer:
-                self.deferred = c + 1
-            else:
-                self.capture(model, cache, c + 1)
+            self.capture(model, cache, c + 1)
             return out
         self.noise.copy_(noise)
         self.audio.copy_(audio)

@@ -12,12 +12,10 @@ from .graphs import GraphedChunk
 from .step import Session
 
 
-def warm_up(session: Session, seed: int = 0, capture: bool = True) -> int:
+def warm_up(session: Session, seed: int = 0) -> int:
     """Run seeded random inputs through `session` (stepping through a GraphedChunk) until
-    its first steady chunk has run (without the ring cache: through the first steady chunk),
-    its graphs captured and uploaded to the device; returns the chunks run. With
-    capture=False the capture is left to `capture` (the eager chunks may run beside another
-    thread's CUDA work, a capture may not)."""
+    its graphs are captured (without the ring cache: through the first steady chunk), then
+    upload every graph to the device; returns the chunks run."""
     graphed = session.step_fn
     if not isinstance(graphed, GraphedChunk):
         raise TypeError("warm_up needs a session stepping through a GraphedChunk")
@@ -34,41 +32,23 @@ def warm_up(session: Session, seed: int = 0, capture: bool = True) -> int:
     graphs = session.cfg.switches.ring_cache
     steady = spec.sink_chunks + spec.window_chunks
     latent = (spec.latent_channels, spec.chunk_frames, spec.latent_h, spec.latent_w)
-    graphed.defer = graphs and not capture
     with torch.inference_mode():
         session.start(rand(spec.latent_channels, spec.latent_h, spec.latent_w),
                       rand(spec.prompt_tokens, spec.text_dim))
         for k in range(limit):
             session.step(rand(session.cfg.schedule.passes, *latent),
                          rand(spec.audio_rows, spec.audio_dim))
-            if graphed.warm() or (not graphs and k + 1 >= steady):
+            if graphed.ready() or (not graphs and k + 1 >= steady):
                 break
-    if graphs and not graphed.warm():
-        raise RuntimeError(f"warm-up reached no steady chunk in {limit} chunks")
-    if graphs and capture:
-        _upload(graphed, dev)
-    elif dev.type == "cuda":
+        if graphs and graphed.ready():
+            # a graph's first launch would upload it to the device: uploaded now, a user's
+            # first chunks do not pay for that (in place of replaying every graph once)
+            graphed.upload()
+    if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+    if graphs and not graphed.ready():
+        raise RuntimeError(f"warm-up reached no steady chunk in {limit} chunks")
     return k + 1
-
-
-def capture(session: Session) -> None:
-    """The graphs whose capture `warm_up(session, capture=False)` deferred, captured and
-    uploaded (nothing without the ring cache: there are none)."""
-    graphed = session.step_fn
-    if not session.cfg.switches.ring_cache or graphed.ready():
-        return
-    graphed.defer = False
-    with torch.inference_mode():
-        graphed.capture_deferred(session.model, session.cache)
-    _upload(graphed, session.model.device)
-
-
-def _upload(graphed: GraphedChunk, dev: torch.device) -> None:
-    """A graph's first launch would upload it to the device: uploaded now, a user's first
-    chunks do not pay for that (in place of replaying every graph once)."""
-    graphed.upload()
-    torch.cuda.synchronize(dev)
 
 
 def warm_up_side(side, spec, device: torch.device) -> None:
