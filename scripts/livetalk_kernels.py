@@ -10,6 +10,9 @@ call of a CUDA graph of many calls over distinct buffers.
 
     python scripts/livetalk_kernels.py --out docs/results/livetalk/kernels_livetalk-1.3b_h200.json
     python scripts/livetalk_kernels.py --only pre_attention gemm --out ...
+
+`--only cross_attention` times the cross-attention's shape (the chunk's queries over the
+prompt's 512 keys): SDPA's backends in bf16 and the FP8 kernel's tiles.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ ACT_WARPS = (1, 2, 4)  # act_quant's one-pass row kernel
 # the pre-attention's tiles tried (tokens per query/key program, tokens per value program,
 # warps: pre_attention_width.RowTiles)
 PRE_ROWS = tuple((t, v, w) for t in (2, 4, 8) for v in (32, 64) for w in (2, 4, 8))
-SECTIONS = ("attention", "epilogues", "pre_attention", "gemm")
+SECTIONS = ("attention", "cross_attention", "epilogues", "pre_attention", "gemm")
 GEMM_CALLS = 20  # GEMMs per graph (each over one of BUFFERS weights, its own bias added)
 BUFFERS = 4  # distinct inputs per graph, so that repeated calls do not all hit L2
 
@@ -163,6 +166,40 @@ def bench_pre_attention(spec, calls: int, reps: int, dev) -> dict:
     return out
 
 
+def bench_cross_attention(spec, calls: int, reps: int, dev) -> dict:
+    """The cross-attention's shape (the chunk's queries over the prompt's keys): SDPA in
+    bf16 through each backend that takes it, the queries laid out as the model passes them
+    (heads of a token's row, [T, H, D] transposed), and the FP8 kernel's tiles (queries and
+    the text's keys and values in e4m3, as bench_attention lays them out)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    H, T, S, D = spec.n_heads, spec.chunk_tokens, spec.prompt_tokens, spec.head_dim
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = [torch.randn(T, H, D, device=dev, generator=g).to(torch.bfloat16).transpose(0, 1)[None]
+         for _ in range(BUFFERS)]
+    k, v = (torch.randn(spec.n_blocks, H, S, D, device=dev, generator=g).to(torch.bfloat16)
+            for _ in range(2))
+    out = {}
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION):
+        name = f"sdpa_bf16_{backend.name.lower()}"
+        try:
+            with sdpa_kernel([backend]):
+                us = graph_time_us(lambda i: F.scaled_dot_product_attention(
+                    q[i % BUFFERS], k[i % spec.n_blocks][None], v[i % spec.n_blocks][None]),
+                    calls, reps)
+            out[name] = {"us": us, "tflops": 4 * H * T * S * D / us / 1e6}
+            print(f"cross {name:40s} {us:8.1f} us", flush=True)
+        except RuntimeError as e:  # a backend that does not take the shape
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(f"cross {name:40s} {out[name]['error'][:80]}", flush=True)
+    fp8_tiles = bench_attention(H, T, S, D, calls, reps, dev, EXTRA_TILES)
+    for name, r in sorted(fp8_tiles.items(), key=lambda kv: kv[1].get("us", 1e30))[:6]:
+        print(f"cross {name:40s} " + (f"{r['us']:8.1f} us" if "us" in r
+                                      else r["error"][:80]), flush=True)
+    return out | {f"fp8_{name}": r for name, r in fp8_tiles.items()}
+
+
 def gemm_shapes(spec) -> dict[str, tuple[int, int]]:
     """Each linear kind's (N, K) with fused q, k, v (livetalk/rank.py's FUSED_KINDS)."""
     d, f = spec.dim, spec.ffn_dim
@@ -236,6 +273,8 @@ def main():
             print(f"{k:48s} " + (f"{v['us']:9.1f} us {v['tflops']:7.1f} TFLOP/s" if "us" in v
                                  else v["error"][:80]), flush=True)
         result["attention"] = attn
+    if "cross_attention" in args.only:
+        result["cross_attention"] = bench_cross_attention(spec, args.calls, args.reps, dev)
     if "pre_attention" in args.only:
         result["pre_attention"] = bench_pre_attention(spec, args.calls, args.reps, dev)
     if "gemm" in args.only:
