@@ -12,6 +12,19 @@ def _quant_store(ptr, x, s, r, mask):
 
 
 @triton.jit
+def _store_row(x_hi, x_lo, amax, q_row, s_at, K, HI: tl.constexpr, LO: tl.constexpr):
+    """A row held as its HI lanes and the LO after them (masked at K; none where LO is 0),
+    quantized with the scale its amax gives: the scale stored at s_at, the codes at q_row."""
+    s = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
+    tl.store(s_at, s)
+    r = tl.math.div_rn(1.0, s)
+    _quant_store(q_row + tl.arange(0, HI), x_hi, s, r, None)
+    if LO > 0:
+        ol = HI + tl.arange(0, LO)
+        _quant_store(q_row + ol, x_lo, s, r, ol < K)
+
+
+@triton.jit
 def act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_x
@@ -41,16 +54,12 @@ def act_quant_row_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, HI: tl.cons
     oh = tl.arange(0, HI)
     x_hi = tl.load(x_row + oh)
     amax = tl.max(tl.abs(x_hi.to(tl.float32)), 0)
+    x_lo = x_hi  # no lanes past HI where LO is 0
     if LO > 0:
         ol = HI + tl.arange(0, LO)
         x_lo = tl.load(x_row + ol, mask=ol < K, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x_lo.to(tl.float32)), 0))
-    s = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
-    tl.store(s_ptr + row, s)
-    r = tl.math.div_rn(1.0, s)
-    _quant_store(q_row + oh, x_hi, s, r, None)
-    if LO > 0:
-        _quant_store(q_row + ol, x_lo, s, r, ol < K)
+    _store_row(x_hi, x_lo, amax, q_row, s_ptr + row, K, HI, LO)
 
 
 @triton.jit
@@ -266,13 +275,9 @@ def gelu_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, HI: tl.constex
     oh = tl.arange(0, HI)
     y_hi = _gelu_dt(x_row, oh, None, dt)
     amax = tl.max(tl.abs(y_hi.to(tl.float32)), 0)
+    y_lo = y_hi  # no lanes past HI where LO is 0
     if LO > 0:
         ol = HI + tl.arange(0, LO)
         y_lo = _gelu_dt(x_row, ol, ol < K, dt)
         amax = tl.maximum(amax, tl.max(tl.abs(y_lo.to(tl.float32)), 0))
-    s = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
-    tl.store(s_ptr + row, s)
-    r = tl.math.div_rn(1.0, s)
-    _quant_store(q_row + oh, y_hi, s, r, None)
-    if LO > 0:
-        _quant_store(q_row + ol, y_lo, s, r, ol < K)
+    _store_row(y_hi, y_lo, amax, q_row, s_ptr + row, K, HI, LO)
