@@ -44,10 +44,12 @@ class KVCache(torch.nn.Module):
             self.register_buffer("k8", torch.zeros(shape, dtype=fp8.FP8, device=device),
                                  persistent=False)
             # With the FP8 attention kernel, values are stored [heads, head_dim, slots] (slots
-            # padded to 16 bytes for TMA), so P V is an FP8 dot with V K-major; `v8` is
+            # padded to TMA's 16-byte rows), so P V is an FP8 dot with V K-major; `v8` is
             # always the [bp, heads, slots, head_dim] view.
+            from ..plugins.attention import TMA_ROW_BYTES
+
             self.v_transposed = cfg.switches.fp8_attention_kernel
-            vshape = (self.bp, heads, spec.head_dim, self.S + (-self.S % 16)) \
+            vshape = (self.bp, heads, spec.head_dim, self.S + (-self.S % TMA_ROW_BYTES)) \
                 if self.v_transposed else shape
             self.register_buffer("v8_store", torch.zeros(vshape, dtype=fp8.FP8, device=device),
                                  persistent=False)
