@@ -25,8 +25,8 @@ DESC_A_SCALE_MODE, DESC_B_SCALE_MODE, SCALE_OUTER_VEC_32F = 31, 32, 3
 PREF_MAX_WORKSPACE = 1
 OUT_TYPES = {torch.bfloat16: R_16BF, torch.float16: R_16F, torch.float32: R_32F}
 CONFIG_ATTRS = (("id", 0, ctypes.c_int32), ("tile", 1, ctypes.c_uint32),
-                ("splitk", 2, ctypes.c_int32), ("stages", 6, ctypes.c_uint32),
-                ("cluster", 8, ctypes.c_uint16))
+                ("splitk", 2, ctypes.c_int32), ("custom", 5, ctypes.c_uint32),
+                ("stages", 6, ctypes.c_uint32), ("cluster", 8, ctypes.c_uint16))
 
 
 class Algo(ctypes.Structure):
@@ -142,7 +142,8 @@ class Matmul:
         return found[0]
 
     def config(self, h: Heuristic | None = None) -> dict:
-        """The algorithm's id, tile, split-K, stages and cluster as cuBLASLt reports them."""
+        """The algorithm's id, tile, split-K, custom option, stages and cluster as cuBLASLt
+        reports them."""
         h = h or self.heuristic
         if h is None:
             raise ValueError("no algorithm chosen yet: call the matmul or pass a heuristic")

@@ -31,9 +31,8 @@ WEIGHTS = 12  # distinct weights a graph walks, so they stream from memory as in
 WORKSPACE = 64 << 20
 ALGOS = (66, 67)  # the algorithms that take outer-vector scales (66: the heuristic's)
 CLUSTERS = (0, 2, 3, 4, 5, 6, 7, 8, 9, 10)  # cublasLtClusterShape_t: auto, 1x1 .. 4x4
-# cublasLtMatmulAlgoCapAttributes_t / ConfigAttributes_t
-CAP_CUSTOM_OPTION_MAX, CAP_STAGES_IDS = 7, 13
-CONFIG_CUSTOM_OPTION, CONFIG_STAGES_ID, CONFIG_CLUSTER_SHAPE_ID = 5, 6, 8
+CAP_CUSTOM_OPTION_MAX, CAP_STAGES_IDS = 7, 13  # cublasLtMatmulAlgoCapAttributes_t
+CONFIG = {name: (attr, ct) for name, attr, ct in lt.CONFIG_ATTRS}  # what Matmul.config reads
 
 
 def cap(lib, algo, attr, n=64, ct=ctypes.c_uint32) -> list[int]:
@@ -47,9 +46,8 @@ def configured(lib, algo, custom, stages, cluster):
     """A copy of `algo` with the three attributes set; None where cuBLASLt refuses one."""
     out = lt.Algo()
     ctypes.memmove(ctypes.byref(out), ctypes.byref(algo), ctypes.sizeof(algo))
-    for attr, value, ct in ((CONFIG_CUSTOM_OPTION, custom, ctypes.c_uint32),
-                            (CONFIG_STAGES_ID, stages, ctypes.c_uint32),
-                            (CONFIG_CLUSTER_SHAPE_ID, cluster, ctypes.c_uint16)):
+    for name, value in (("custom", custom), ("stages", stages), ("cluster", cluster)):
+        attr, ct = CONFIG[name]
         v = ct(value)
         if lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(out), attr, ctypes.byref(v),
                                                     ctypes.sizeof(v)):
@@ -82,13 +80,6 @@ def candidates(h, mm, heuristic) -> list:
             res.algo = a
             out.append(res)
     return out
-
-
-def custom_option(lib, h) -> int:
-    v, n = ctypes.c_uint32(), ctypes.c_size_t()
-    lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(h.algo), CONFIG_CUSTOM_OPTION,
-                                             ctypes.byref(v), 4, ctypes.byref(n))
-    return v.value
 
 
 def bench_shape(h, N, K, budget_s: float, dev) -> list[dict]:
@@ -127,7 +118,7 @@ def bench_shape(h, N, K, budget_s: float, dev) -> list[dict]:
                                                           device=dev)])
         out.append({"i": i, "heuristic": i == 0, "us": round(us, 2),
                     "max_abs_diff": (d.float() - ref).abs().max().item(),
-                    "custom": custom_option(h.lib, hh), **mm.config(hh)})
+                    **mm.config(hh)})
     return sorted(out, key=lambda r: r["us"])
 
 
