@@ -42,6 +42,9 @@ LABELS = {WATERFALL_PLAIN: "Plain (bf16)", "baked_adaln": "+AdaLN tables",
           "fused_wide_pre_attention": "+Fused bf16 pre-attn.",
           "fused_calibration": "+Fused calibration",
           "fused_delta_rotation": "+Fused delta rotation",
+          "split_attention": "+Split attention grid",
+          "pipelined_attention": "+Pipelined attention",
+          "fp8_cross_attention": "+FP8 cross-attention",
           WATERFALL_PRODUCTION: "+Fast accum. = production"}
 STATS = ("diffusion_p50_ms", "diffusion_p90_ms", "reset_chunk_p50_ms", "memory_peak_mb",
          "setup_s", "wall_s")

@@ -101,6 +101,21 @@ def test_rms_norm_width_matches_reference(T, d):
     assert (out == ref).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("T,H,D", [(3072, 12, 128), (17, 3, 32)])
+def test_rms_norm_heads_quant_matches_reference(T, H, D):
+    """The cross-attention's q norm with each head quantized apart, head-major (the FP8
+    cross-attention's queries), against the reference; 12 heads pad to 16 lanes of heads,
+    3 to 4."""
+    g = torch.Generator(device=DEV).manual_seed(T + H)
+    x, w = rows(g, T, H * D), vec(g, H * D, 1.0)
+    rq, rs = rms_norm.heads_quant_reference(x, w, 1e-6, H)
+    tq, ts = rms_norm.triton_rms_norm_heads_quant(x, w, 1e-6, H)
+    assert tq.shape == (H, T, D) and ts.shape == (H, T, 1) and tq.is_contiguous()
+    assert_quantized_rows_close((rq, rs), (tq, ts))
+    op = torch.ops.charengine.rms_norm_heads_quant.default(x, w, 1e-6, H)
+    assert_quantized_rows_close((rq, rs), op)
+
+
 @pytest.mark.parametrize("shape,layout", [((1, 96, 4, 64, 64), "contiguous"),
                                           ((1, 384, 1, 16, 16), "contiguous"),
                                           ((2, 37, 3, 5, 7), "contiguous"),

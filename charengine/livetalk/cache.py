@@ -26,6 +26,7 @@ import torch
 
 from .. import fp8
 from ..plugins import calibrate, delta_rotation
+from ..plugins.attention import TMA_ROW_BYTES
 from .rope import ChunkRope, rotate_temporal
 
 
@@ -85,6 +86,10 @@ class ChunkCache:
         self.positions = torch.zeros(self.F, dtype=torch.long, device=dev)
         self.rope = ChunkRope(spec, dev)
         self.text_k = self.text_v = None  # [blocks, heads, prompt_tokens, head_dim]
+        # with fp8_cross_attention: the same K/V in e4m3 (values stored [blocks, heads,
+        # head_dim, slots], as the attention kernel reads them) and their scales [blocks,
+        # heads, 1, 1]
+        self.text8: tuple[torch.Tensor, ...] | None = None
         self.calibrate_fp8 = calibrate.select() if sw.fused_calibration else None
         self.rotate_fp8 = delta_rotation.select() if sw.fused_delta_rotation else None
 
@@ -105,6 +110,32 @@ class ChunkCache:
         else:
             self.text_k.copy_(k)
             self.text_v.copy_(v)
+
+    def keep_text_fp8(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The session's cross-attention K/V [blocks, heads, prompt_tokens, head_dim]
+        quantized with one scale per block and head (amax / FP8_MAX), into the same buffers
+        every session."""
+        ks, vs = (x.float().abs().amax(dim=(2, 3), keepdim=True).clamp_min(fp8.TINY)
+                  / fp8.FP8_MAX for x in (k, v))
+        k8 = fp8.quantize(k, ks)
+        v8 = fp8.quantize(v, vs).transpose(2, 3)
+        if self.text8 is None:
+            S = k.shape[2]
+            store = torch.empty((*v8.shape[:3], S + (-S % TMA_ROW_BYTES)), dtype=fp8.FP8,
+                                device=k.device)
+            self.text8 = (k8.contiguous(), store, ks, vs)
+        t_k, store, t_ks, t_vs = self.text8
+        t_k.copy_(k8)
+        store[..., : k.shape[2]].copy_(v8)
+        t_ks.copy_(ks)
+        t_vs.copy_(vs)
+
+    def text_fp8(self, b: int):
+        """Block b's FP8 prompt K/V as the attention takes them: k8 [heads, S, D], v8
+        [heads, S, D] (a view of the [heads, D, S] store), their scales [heads, 1, 1]."""
+        k8, store, ks, vs = self.text8
+        S = k8.shape[2]
+        return k8[b], store[b, ..., :S].transpose(1, 2), ks[b], vs[b]
 
     # ---- what the host knows from its chunk count -------------------------------------
     def valid_slots(self, c: int) -> int:

@@ -64,6 +64,10 @@ class LiveTalkDiT:
         self.pre_attention_wide = pre_attention_width.op if sw.fused_wide_pre_attention \
             else None
         self.q_norm = rms_norm_op.select() if sw.fused_q_norm else rms_norm
+        # the cross-attention in FP8 (the prompt's K/V quantized at session start)
+        self.fp8_cross = sw.fp8_cross_attention and sw.text_kv_once and \
+            cfg.numerics.fp8_attention
+        self.q_norm_quant = rms_norm_op.select_heads_quant()
         # the fused epilogues that hand their FP8 quantization to the next linear
         self.fused_residual = self.fused_input and sw.fused_residual
         self.fused_gelu = self.fp8_linears and sw.fused_gelu_quant
@@ -149,7 +153,11 @@ class LiveTalkDiT:
         self._keep("context", context)
         if self.cfg.switches.text_kv_once:
             kv = [self.cross_kv(b) for b in range(spec.n_blocks)]
-            cache.keep_text(torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]))
+            k, v = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
+            if self.fp8_cross:
+                cache.keep_text_fp8(k, v)
+            else:
+                cache.keep_text(k, v)
 
     def _keep(self, name: str, value: torch.Tensor) -> None:
         """Set buffer `name` to value: in place once it exists."""
@@ -313,8 +321,14 @@ class LiveTalkDiT:
         return o[0].transpose(0, 1).flatten(1)
 
     def cross_attention(self, b: int, a, cache: ChunkCache) -> torch.Tensor:
-        """a: the normed input (norm3's), or its FP8 quantization (q, scale)."""
+        """a: the normed input (norm3's), or its FP8 quantization (q, scale). With
+        fp8_cross_attention, the FP8 attention kernel over the prompt's FP8 K/V."""
         spec, w, pre = self.spec, self.w, f"blocks.{b}.cross_attn"
+        if self.fp8_cross:
+            q8, qs = self.q_norm_quant(self.linear(f"{pre}.q", a, "attn"),
+                                       w[f"{pre}.norm_q.weight"], spec.norm_eps, spec.n_heads)
+            o = self.attend8(q8, qs, *cache.text_fp8(b), self.dtype)
+            return self.linear(f"{pre}.o", o, "attn")
         q = self.q_norm(self.linear(f"{pre}.q", a, "attn"), w[f"{pre}.norm_q.weight"],
                         spec.norm_eps)
         if self.cfg.switches.text_kv_once:

@@ -273,13 +273,18 @@ class LiveTalkSwitches:
     # while this tile's softmax runs (plugins/kernels/attention_pipelined.py), not the Triton
     # kernel that waits for them
     pipelined_attention: bool = True
+    # with FP8 attention and text_kv_once: the cross-attention in FP8 too, by the same kernel:
+    # the prompt's K/V quantized once a session (a scale per block and head), the queries'
+    # RMS norm and per-head quantization one kernel (plugins/rms_norm.py); not SDPA in the
+    # model's dtype
+    fp8_cross_attention: bool = True
 
     ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
              "fp8_kv", "fused_qkv", "fused_act_quant", "gemm_bias", "fused_pre_attention",
              "fused_residual", "fused_gelu_quant", "fused_q_norm", "skip_commit_tail",
              "graph_fill_chunks", "shared_kv_stores", "fused_wide_pre_attention",
              "fused_calibration", "fused_delta_rotation", "split_attention",
-             "pipelined_attention")
+             "pipelined_attention", "fp8_cross_attention")
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":
