@@ -68,6 +68,7 @@ class LiveTalkDiT:
         self.fp8_cross = sw.fp8_cross_attention and sw.text_kv_once and \
             cfg.numerics.fp8_attention
         self.q_norm_quant = rms_norm_op.select_heads_quant()
+        self.attend8_cross = attention.select(self.spec.head_dim, attention.CROSS_TILES)
         # the fused epilogues that hand their FP8 quantization to the next linear
         self.fused_residual = self.fused_input and sw.fused_residual
         self.fused_gelu = self.fp8_linears and sw.fused_gelu_quant
@@ -327,7 +328,7 @@ class LiveTalkDiT:
         if self.fp8_cross:
             q8, qs = self.q_norm_quant(self.linear(f"{pre}.q", a, "attn"),
                                        w[f"{pre}.norm_q.weight"], spec.norm_eps, spec.n_heads)
-            o = self.attend8(q8, qs, *cache.text_fp8(b), self.dtype)
+            o = self.attend8_cross(q8, qs, *cache.text_fp8(b), self.dtype)
             return self.linear(f"{pre}.o", o, "attn")
         q = self.q_norm(self.linear(f"{pre}.q", a, "attn"), w[f"{pre}.norm_q.weight"],
                         spec.norm_eps)
