@@ -143,8 +143,6 @@ def triton_residual_add_norm_modulate_quant(h, o, gate, add, shift, scale, eps,
 
 
 def _norm_modulate(h, o, gate, shift, scale, eps, warps, add=None, affine=False):
-    import triton
-
     if h.stride(-1) != 1:
         h = h.contiguous()
     T, d = h.shape
@@ -158,16 +156,16 @@ def _norm_modulate(h, o, gate, shift, scale, eps, warps, add=None, affine=False)
     h_out = torch.empty_like(h) if residual or add is not None else h
     if add is not None:
         add = add.contiguous()
-    block = triton.next_power_of_2(d)
+    hi, lo = pow2_split(d)
     from .kernels.act_quant import norm_modulate_quant_kernel
 
     norm_modulate_quant_kernel[(T,)](h, shift.contiguous(), scale.contiguous(), q, s, o, gate,
                                      h_out, h if add is None else add, d,
                                      1 if add is None else T // add.shape[0], eps, h.stride(0),
                                      q.stride(0), o.stride(0), h_out.stride(0),
-                                     0 if add is None else add.stride(0), BLOCK=block,
+                                     0 if add is None else add.stride(0), HI=hi, LO=lo,
                                      RESIDUAL=residual, ADD=add is not None, AFFINE=affine,
-                                     num_warps=warps or max(1, min(8, block // 1024)))
+                                     num_warps=warps or max(1, min(8, (hi + lo) // 1024)))
     return q, s, h_out
 
 

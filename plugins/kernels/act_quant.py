@@ -63,49 +63,97 @@ def act_quant_row_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, HI: tl.cons
 
 
 @triton.jit
-def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, o_ptr, gate_ptr,
-                               hout_ptr, add_ptr, d, rows_per_add, eps, stride_h, stride_q,
-                               stride_o, stride_hout, stride_add, BLOCK: tl.constexpr,
-                               RESIDUAL: tl.constexpr, ADD: tl.constexpr = False,
-                               AFFINE: tl.constexpr = False):
-    """One token's row: with RESIDUAL, first h + gate * o (the previous block's gated
-    residual, rounded to the compute dtype), with ADD then a row of `add` (one per
-    rows_per_add tokens: a frame's audio) added and rounded, the new h stored; then LN,
-    modulation (or, with AFFINE, the norm's own weight in `scale` and bias in `shift`, one
-    rounding as F.layer_norm) and the per-token quantization. The row waits for its
-    reductions in the compute dtype (fewer registers than fp32; no faster alone, the
-    division was the cost). Several rows per program sharing the modulation vectors, a
-    persistent grid prefetching the next row and chunked passes re-reading the row from L2
-    all measured slower (docs/PERFORMANCE.md, "Kernels alone")."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    m = offs < d
-    dt = h_ptr.dtype.element_ty
-    x = tl.load(h_ptr + row * stride_h + offs, mask=m, other=0.0)
+def _residual_part(h_row, o_row, gate_ptr, add_row, hout_row, offs, m, dt,
+                   RESIDUAL: tl.constexpr, ADD: tl.constexpr):
+    """Lanes `offs` of a row (mask m, or None where all are in the row): h, with RESIDUAL
+    plus gate * o (rounded to the compute dtype), with ADD plus the frame's row of `add`
+    (rounded), stored as the new h where either is added."""
+    other = 0.0 if m is not None else None
+    x = tl.load(h_row + offs, mask=m, other=other)
     if RESIDUAL:
-        o = tl.load(o_ptr + row * stride_o + offs, mask=m, other=0.0).to(tl.float32)
-        g = tl.load(gate_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        o = tl.load(o_row + offs, mask=m, other=other).to(tl.float32)
+        g = tl.load(gate_ptr + offs, mask=m, other=other).to(tl.float32)
         x = (x.to(tl.float32) + g * o).to(dt)
     if ADD:
-        a = tl.load(add_ptr + (row // rows_per_add) * stride_add + offs, mask=m, other=0.0)
+        a = tl.load(add_row + offs, mask=m, other=other)
         x = (a.to(tl.float32) + x.to(tl.float32)).to(dt)
     if RESIDUAL or ADD:
-        tl.store(hout_ptr + row * stride_hout + offs, x, mask=m)
-    mean = tl.sum(x.to(tl.float32), 0) / d
-    xc = tl.where(m, x.to(tl.float32) - mean, 0.0)
-    rstd = tl.math.rsqrt(tl.sum(xc * xc, 0) / d + eps)
-    sc = tl.load(scale_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    sh = tl.load(shift_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(hout_row + offs, x, mask=m)
+    return x
+
+
+@triton.jit
+def _centered_squares(x, mean, m):
+    """The sum of (x - mean)^2 over the row's lanes (those in mask m, or all)."""
+    xc = x.to(tl.float32) - mean
+    if m is not None:
+        xc = tl.where(m, xc, 0.0)
+    return tl.sum(xc * xc, 0)
+
+
+@triton.jit
+def _modulate_part(x, mean, rstd, scale_ptr, shift_ptr, offs, m, dt, AFFINE: tl.constexpr):
+    """LN'd lanes modulated: (1 + scale) and shift rounded where the reference rounds, or with
+    AFFINE the norm's own weight (in scale) and bias (in shift) with one rounding; zero on
+    lanes past the row."""
+    other = 0.0 if m is not None else None
+    sc = tl.load(scale_ptr + offs, mask=m, other=other).to(tl.float32)
+    sh = tl.load(shift_ptr + offs, mask=m, other=other).to(tl.float32)
     if AFFINE:
-        xm = tl.where(m, ((x.to(tl.float32) - mean) * rstd * sc + sh).to(dt), 0.0)
+        xm = ((x.to(tl.float32) - mean) * rstd * sc + sh).to(dt)
     else:
         xn = ((x.to(tl.float32) - mean) * rstd).to(dt).to(tl.float32)
         one_plus = (1.0 + sc).to(dt).to(tl.float32)
-        xm = tl.where(m, ((xn * one_plus).to(dt).to(tl.float32) + sh).to(dt), 0.0)
-    s = tl.maximum(tl.max(tl.abs(xm.to(tl.float32)), 0), AMAX_FLOOR) / FP8_MAX
-    tl.store(s_ptr + row, s)
-    r = tl.math.div_rn(1.0, s)
-    tl.store(q_ptr + row * stride_q + offs, to_e4m3(xm.to(tl.float32), s, r), mask=m)
+        xm = ((xn * one_plus).to(dt).to(tl.float32) + sh).to(dt)
+    if m is not None:
+        xm = tl.where(m, xm, 0.0).to(dt)
+    return xm
+
+
+@triton.jit
+def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, o_ptr, gate_ptr,
+                               hout_ptr, add_ptr, d, rows_per_add, eps, stride_h, stride_q,
+                               stride_o, stride_hout, stride_add, HI: tl.constexpr,
+                               LO: tl.constexpr, RESIDUAL: tl.constexpr,
+                               ADD: tl.constexpr = False, AFFINE: tl.constexpr = False):
+    """One token's row, held in registers in the compute dtype as its largest power of two of
+    lanes (HI <= d, no mask) and the power of two that covers the rest (LO, masked; 0 when
+    there is none): a 1,536-wide row takes 1,024 + 512 lanes, where one power-of-two block
+    masks a quarter of its 2,048. With RESIDUAL, first h + gate * o (the previous block's
+    gated residual, rounded to the compute dtype), with ADD then a row of `add` (one per
+    rows_per_add tokens: a frame's audio) added and rounded, the new h stored; then LN,
+    modulation (or, with AFFINE, the norm's own weight in `scale` and bias in `shift`, one
+    rounding as F.layer_norm) and the per-token quantization. Several rows per program
+    sharing the modulation vectors, a persistent grid prefetching the next row and chunked
+    passes re-reading the row from L2 all measured slower (docs/PERFORMANCE.md, "Kernels
+    alone")."""
+    row = tl.program_id(0)
+    dt = h_ptr.dtype.element_ty
+    h_row, o_row = h_ptr + row * stride_h, o_ptr + row * stride_o
+    add_row, hout_row = add_ptr + (row // rows_per_add) * stride_add, hout_ptr + row * stride_hout
+    oh = tl.arange(0, HI)
+    x_hi = _residual_part(h_row, o_row, gate_ptr, add_row, hout_row, oh, None, dt, RESIDUAL,
+                          ADD)
+    total = tl.sum(x_hi.to(tl.float32), 0)
+    x_lo = x_hi  # no lanes past HI where LO is 0
+    ol = HI + tl.arange(0, LO if LO > 0 else 1)
+    ml = ol < d
+    if LO > 0:
+        x_lo = _residual_part(h_row, o_row, gate_ptr, add_row, hout_row, ol, ml, dt,
+                              RESIDUAL, ADD)
+        total += tl.sum(x_lo.to(tl.float32), 0)
+    mean = total / d
+    squares = _centered_squares(x_hi, mean, None)
+    if LO > 0:
+        squares += _centered_squares(x_lo, mean, ml)
+    rstd = tl.math.rsqrt(squares / d + eps)
+    xm_hi = _modulate_part(x_hi, mean, rstd, scale_ptr, shift_ptr, oh, None, dt, AFFINE)
+    amax = tl.max(tl.abs(xm_hi.to(tl.float32)), 0)
+    xm_lo = xm_hi
+    if LO > 0:
+        xm_lo = _modulate_part(x_lo, mean, rstd, scale_ptr, shift_ptr, ol, ml, dt, AFFINE)
+        amax = tl.maximum(amax, tl.max(tl.abs(xm_lo.to(tl.float32)), 0))
+    _store_row(xm_hi, xm_lo, amax, q_ptr + row * stride_q, s_ptr + row, d, HI, LO)
 
 
 @triton.jit
