@@ -45,6 +45,7 @@ LABELS = {WATERFALL_PLAIN: "Plain (bf16)", "baked_adaln": "+AdaLN tables",
           "split_attention": "+Split attention grid",
           "pipelined_attention": "+Pipelined attention",
           "fp8_cross_attention": "+FP8 cross-attention",
+          "patch_gemm": "+Patch embedding GEMM",
           WATERFALL_PRODUCTION: "+Fast accum. = production"}
 STATS = ("diffusion_p50_ms", "diffusion_p90_ms", "reset_chunk_p50_ms", "memory_peak_mb",
          "setup_s", "wall_s")

@@ -202,10 +202,7 @@ class LiveTalkDiT:
         Returns the flow prediction [C, F, h, w], or None for a commit pass that skips the
         unused tail (skip_commit_tail)."""
         spec, w = self.spec, self.w
-        inp = torch.cat([x, y])[None]
-        h = F.conv3d(inp, w["patch_embedding.weight"], w["patch_embedding.bias"],
-                     stride=(1, spec.patch, spec.patch))
-        h = h.flatten(2)[0].t()  # [F * T, dim], tokens ordered (frame, row, column)
+        h = self.embed(torch.cat([x, y]))  # [F * T, dim], tokens ordered (frame, row, column)
         mods, head_mod = self.modulations(p)
         T, eps, last = spec.frame_tokens, spec.norm_eps, spec.n_blocks - 1
         pending = None  # with fused_residual: the FFN residual (output, gate) not yet added
@@ -263,6 +260,21 @@ class LiveTalkDiT:
         shift, scale = head_mod
         out = self.linear("head.head", modulate(h, shift, scale, eps))
         return self.unpatchify(out, x.shape[1])
+
+    def embed(self, inp: torch.Tensor) -> torch.Tensor:
+        """The patch embedding of inp [C_in, F, h, w]: tokens [F * T, dim] ordered (frame,
+        row, column); with patch_gemm contiguous rows from one GEMM over the patches (each
+        patch's values ordered (channel, row, column), as the Conv3d weight's), else the
+        Conv3d's output viewed as rows."""
+        spec, p = self.spec, self.spec.patch
+        weight, bias = self.w["patch_embedding.weight"], self.w["patch_embedding.bias"]
+        if self.cfg.switches.patch_gemm:
+            c, f = inp.shape[:2]
+            patches = inp.view(c, f, spec.grid_h, p, spec.grid_w, p).permute(1, 2, 4, 0, 3, 5)
+            return F.linear(patches.reshape(f * spec.frame_tokens, c * p * p), weight.flatten(1),
+                            bias)
+        h = F.conv3d(inp[None], weight, bias, stride=(1, p, p))
+        return h.flatten(2)[0].t()
 
     @property
     def fused_input(self) -> bool:

@@ -278,13 +278,17 @@ class LiveTalkSwitches:
     # RMS norm and per-head quantization one kernel (plugins/rms_norm.py); not SDPA in the
     # model's dtype
     fp8_cross_attention: bool = True
+    # the patch embedding as one GEMM over the latent's patches (bias in its epilogue), its
+    # tokens already rows [F * T, dim]; not a cuDNN Conv3d with its layout transforms, a bias
+    # add and the copy that turns its channels-first output into rows
+    patch_gemm: bool = True
 
     ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
              "fp8_kv", "fused_qkv", "fused_act_quant", "gemm_bias", "fused_pre_attention",
              "fused_residual", "fused_gelu_quant", "fused_q_norm", "skip_commit_tail",
              "graph_fill_chunks", "shared_kv_stores", "fused_wide_pre_attention",
              "fused_calibration", "fused_delta_rotation", "split_attention",
-             "pipelined_attention", "fp8_cross_attention")
+             "pipelined_attention", "fp8_cross_attention", "patch_gemm")
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":
