@@ -99,7 +99,7 @@ class AttentionTiles:
 SPLIT_TILES = AttentionTiles(split_ctas_per_sm=2)
 # LiveTalk-1.3B's cross-attention (12 heads x 3,072 queries over the prompt's 512 keys):
 # 64-key tiles through pointer loads, one program per query tile, 20.0 us a call against 20.6
-# through TMA, 27.4 for cuDNN's bf16 SDPA, and 26.6 + 5.5 to merge as SPLIT_TILES's pipelined
+# through TMA, 27.4 for cuDNN's bf16 SDPA, and 25.4 + 5.5 to merge as SPLIT_TILES's pipelined
 # kernel in the chunk (scripts/livetalk_kernels.py --only cross_attention, docs/PERFORMANCE.md)
 CROSS_TILES = AttentionTiles(64, 64, 4, 3, p_fp8=True, tma=False, fma=True)
 
