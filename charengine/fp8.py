@@ -20,9 +20,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> tor
     return (q.float() * scale).to(dtype)
 
 
+def amax_scale(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """The scale that maps x's largest magnitude over `dim` (kept as size 1; every element
+    where None) to 448, its amax floored at TINY."""
+    a = x.float().abs()
+    return (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).clamp_min(TINY) / FP8_MAX
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per-token, or per-output-channel for a weight) scales: amax / 448."""
-    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(TINY) / FP8_MAX
+    scale = amax_scale(x, -1)
     return quantize(x, scale), scale
 
 
@@ -48,7 +55,7 @@ def quant_dequant_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def quant_dequant_per_tensor(x: torch.Tensor) -> torch.Tensor:
-    scale = x.float().abs().amax().clamp_min(TINY) / FP8_MAX
+    scale = amax_scale(x)
     return dequantize(quantize(x, scale), scale, x.dtype)
 
 

@@ -115,15 +115,14 @@ class ChunkCache:
         """The session's cross-attention K/V [blocks, heads, prompt_tokens, head_dim]
         quantized with one scale per block and head (amax / FP8_MAX), into the same buffers
         every session."""
-        ks, vs = (x.float().abs().amax(dim=(2, 3), keepdim=True).clamp_min(fp8.TINY)
-                  / fp8.FP8_MAX for x in (k, v))
-        k8 = fp8.quantize(k, ks)
-        v8 = fp8.quantize(v, vs).transpose(2, 3)
+        ks, vs = fp8.amax_scale(k, (2, 3)), fp8.amax_scale(v, (2, 3))
+        k8, v8 = fp8.quantize(k, ks), fp8.quantize(v, vs).transpose(2, 3)
         if self.text8 is None:
             S = k.shape[2]
             store = torch.empty((*v8.shape[:3], S + (-S % TMA_ROW_BYTES)), dtype=fp8.FP8,
                                 device=k.device)
-            self.text8 = (k8.contiguous(), store, ks, vs)
+            self.text8 = (torch.empty_like(k8), store, torch.empty_like(ks),
+                          torch.empty_like(vs))
         t_k, store, t_ks, t_vs = self.text8
         t_k.copy_(k8)
         store[..., : k.shape[2]].copy_(v8)
