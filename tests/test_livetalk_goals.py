@@ -15,7 +15,9 @@ RESULTS = ROOT / "docs" / "results" / "livetalk"
 
 @pytest.mark.parametrize("name", ["goals_livetalk-1.3b_h200_d267961.json",
                                   "goals_livetalk-1.3b_h200_e697b43.json",
-                                  "goals_livetalk-1.3b_h200_2aedd55.json"])
+                                  "goals_livetalk-1.3b_h200_2aedd55.json",
+                                  "goals_livetalk-1.3b_h200_e522ee3.json",
+                                  "goals_livetalk-1.3b_h200_bbae9a3.json"])
 def test_goals_follow_from_the_raw_results(tmp_path, name):
     committed = json.loads((RESULTS / name).read_text())
     src = committed["sources"]
