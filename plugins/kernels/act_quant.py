@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .fp8_math import AMAX_FLOOR, FP8_MAX, to_e4m3
+from .fp8_math import FP8_MAX, scale_of, to_e4m3
 
 
 @triton.jit
@@ -15,7 +15,7 @@ def _quant_store(ptr, x, s, r, mask):
 def _store_row(x_hi, x_lo, amax, q_row, s_at, K, HI: tl.constexpr, LO: tl.constexpr):
     """A row held as its HI lanes and the LO after them (masked at K; none where LO is 0),
     quantized with the scale its amax gives: the scale stored at s_at, the codes at q_row."""
-    s = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
+    s = scale_of(amax)
     tl.store(s_at, s)
     r = tl.math.div_rn(1.0, s)
     _quant_store(q_row + tl.arange(0, HI), x_hi, s, r, None)
@@ -33,7 +33,7 @@ def act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.const
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR) / FP8_MAX
+    scale = scale_of(tl.max(amax, axis=0))
     tl.store(s_ptr + row, scale)
     r = tl.math.div_rn(1.0, scale)
     for k in range(0, K, BLOCK):
@@ -190,7 +190,7 @@ def swiglu_quant_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, strid
     for k in range(0, M, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(_swiglu(g_row, u_row, offs, offs < M, dt)))
-    s = tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR) / FP8_MAX
+    s = scale_of(tl.max(amax, axis=0))
     tl.store(s_ptr + row, s)
     q_row = q_ptr + row * stride_q
     for k in range(0, A, BLOCK):
@@ -234,7 +234,7 @@ def swiglu_quant_row_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, s
         oml = M_HI + tl.arange(0, M_LO)
         y_lo = _swiglu_dt(g_row, u_row, oml, oml < M, dt)
         amax = tl.maximum(amax, tl.max(tl.abs(y_lo.to(tl.float32)), 0))
-    s = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
+    s = scale_of(amax)
     tl.store(s_ptr + row, s)
     r = tl.math.div_rn(1.0, s)
     _quant_store(q_row + oa, a_hi, s, r, None)
@@ -269,7 +269,7 @@ def concat_quant_kernel(a_ptr, am_ptr, y_ptr, ym_ptr, q_ptr, s_ptr, A, F, PA, PY
         oa = tl.arange(0, A_BLOCK)
         amax = tl.maximum(amax, tl.max(tl.abs(tl.load(a_ptr + row * stride_a + oa, mask=oa < A,
                                                       other=0.0).to(tl.float32)), 0))
-    s = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
+    s = scale_of(amax)
     tl.store(s_ptr + row, s, mask=chunk == 0)
     r = tl.math.div_rn(1.0, s)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)

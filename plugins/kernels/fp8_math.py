@@ -14,6 +14,13 @@ AMAX_FLOOR = tl.constexpr(fp8.TINY)  # the least amax a scale is taken from (an 
 
 
 @triton.jit
+def scale_of(amax):
+    """The scale an amax (fp32, any shape) gives, as charengine/fp8.amax_scale computes it: the
+    amax floored at AMAX_FLOOR, over FP8_MAX."""
+    return tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
+
+
+@triton.jit
 def div_scale(x, s, r):
     """x / s, given r = div_rn(1, s) computed once per scale: x * r corrected by one fused
     multiply-add (the remainder x - q * s is exact in an FMA; Markstein's step), which gives

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .fp8_math import AMAX_FLOOR, FP8_MAX, div_scale, to_e4m3
+from .fp8_math import FP8_MAX, div_scale, scale_of, to_e4m3
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def pre_attention_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, 
             qo = qo_ptr + h * stride_qoh + offs_t[:, None] * stride_qot + offs_c[None, :]
             if QUANT_Q:  # per (head, token) scale, from the compute-dtype queries as the reference
                 q = q.to(out).to(tl.float32)
-                qs = tl.maximum(tl.max(tl.abs(q), 1), AMAX_FLOOR) / FP8_MAX
+                qs = scale_of(tl.max(tl.abs(q), 1))
                 tl.store(qs_ptr + h * T + offs_t, qs, mask=offs_t < T)
                 tl.store(qo, to_e4m3(q, qs[:, None], tl.math.div_rn(1.0, qs)[:, None]),
                          mask=mask)

@@ -4,7 +4,8 @@ are)."""
 import triton
 import triton.language as tl
 
-from .fp8_math import AMAX_FLOOR, FP8_MAX, div_scale, to_e4m3
+from .fp8_math import FP8_MAX, div_scale, scale_of, to_e4m3
+from .rms_norm import rms_round
 
 
 @triton.jit
@@ -21,7 +22,7 @@ def _rows_norm_rope(ptr, stride_h, stride_t, offs_t, offs_h, offs_c, w_ptr, cos,
     r = tl.math.rsqrt(tl.sum(tl.sum(x * x, 2), 1) / (H * D) + eps)[:, None, None]
     w = tl.load(w_ptr + offs_h[:, None] * D + offs_c[None, :], mask=offs_h[:, None] < H,
                 other=0.0).to(tl.float32)
-    n = ((x * r).to(dt).to(tl.float32) * w[None]).to(dt).to(tl.float32)
+    n = rms_round(x, r, w[None], dt).to(tl.float32)
     n0, n1 = tl.split(tl.reshape(n, [BLOCK_T, BLOCK_H, D // 2, 2]))
     return tl.reshape(tl.join(n0 * cos - n1 * sin, n0 * sin + n1 * cos),
                       [BLOCK_T, BLOCK_H, D])
@@ -63,7 +64,7 @@ def pre_attention_rows_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_
                 + offs_t[:, None, None] * stride_qot + offs_c[None, None, :]
             if QUANT:
                 q = q.to(tl.float32)
-                qs = tl.maximum(tl.max(tl.abs(q), 2), AMAX_FLOOR) / FP8_MAX
+                qs = scale_of(tl.max(tl.abs(q), 2))
                 tl.store(qs_ptr + offs_h[None, :] * T + offs_t[:, None], qs,
                          mask=(offs_t[:, None] < T) & (offs_h[None, :] < H))
                 tl.store(qo, to_e4m3(q, qs[:, :, None], tl.math.div_rn(1.0, qs)[:, :, None]),

@@ -3,7 +3,14 @@
 import triton
 import triton.language as tl
 
-from .fp8_math import AMAX_FLOOR, FP8_MAX, to_e4m3
+from .fp8_math import scale_of, to_e4m3
+
+
+@triton.jit
+def rms_round(x, r, w, dt):
+    """The RMS norm's roundings, as the reference computes them: x (fp32) times its rsqrt r,
+    rounded to the compute dtype dt, times the weight w, rounded again (a product in dt)."""
+    return ((x * r).to(dt).to(tl.float32) * w).to(dt)
 
 
 @triton.jit
@@ -17,9 +24,8 @@ def rms_norm_width_kernel(x_ptr, w_ptr, out_ptr, d, eps, stride_x, stride_out,
     dt = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
     r = tl.math.rsqrt(tl.sum(x * x, 0) / d + eps)
-    y = (x * r).to(dt).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (y * w).to(dt), mask=m)
+    tl.store(out_ptr + row * stride_out + offs, rms_round(x, r, w, dt), mask=m)
 
 
 @triton.jit
@@ -37,8 +43,8 @@ def rms_norm_heads_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, T, eps, stride_x,
     x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
     r = tl.math.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / (H * D) + eps)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    y = ((x * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(y), 1), AMAX_FLOOR) / FP8_MAX
+    y = rms_round(x, r, w, dt).to(tl.float32)
+    s = scale_of(tl.max(tl.abs(y), 1))
     tl.store(s_ptr + offs_h * T + row, s, mask=offs_h < H)
     q = to_e4m3(y, s[:, None], tl.math.div_rn(1.0, s)[:, None])
     tl.store(q_ptr + offs_h[:, None] * (T * D) + row * D + offs_d[None, :], q, mask=m)
