@@ -20,11 +20,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> tor
     return (q.float() * scale).to(dtype)
 
 
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """The scale an amax gives: floored at TINY, over 448 (the kernels' fp8_math.scale_of)."""
+    return amax.clamp_min(TINY) / FP8_MAX
+
+
 def amax_scale(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
     """The scale that maps x's largest magnitude over `dim` (kept as size 1; every element
     where None) to 448, its amax floored at TINY."""
     a = x.float().abs()
-    return (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).clamp_min(TINY) / FP8_MAX
+    return scale_of(a.amax() if dim is None else a.amax(dim=dim, keepdim=True))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

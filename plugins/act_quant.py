@@ -88,7 +88,7 @@ def concat_quant_reference(attn: torch.Tensor, attn_amax: torch.Tensor | None, y
     a = attn.float().abs().amax(dim=1, keepdim=True) if attn_amax is None \
         else attn_amax.float().amax(dim=1, keepdim=True)
     amax = torch.maximum(a, y_amax.amax(dim=1, keepdim=True).to(y.dtype).float())
-    scale = amax.clamp_min(fp8.TINY) / fp8.FP8_MAX
+    scale = fp8.scale_of(amax)
     return fp8.quantize(torch.cat([attn, y], dim=-1), scale), scale
 
 

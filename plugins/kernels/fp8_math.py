@@ -15,7 +15,7 @@ AMAX_FLOOR = tl.constexpr(fp8.TINY)  # the least amax a scale is taken from (an 
 
 @triton.jit
 def scale_of(amax):
-    """The scale an amax (fp32, any shape) gives, as charengine/fp8.amax_scale computes it: the
+    """The scale an amax (fp32, any shape) gives, as charengine/fp8.scale_of computes it: the
     amax floored at AMAX_FLOOR, over FP8_MAX."""
     return tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
 
