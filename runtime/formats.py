@@ -24,6 +24,16 @@ def source_of(src: str | Path | bytes):
 
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers that carry H.264 + AAC
 
+# Speech is refused before it is decoded where its declared sample rate lies outside this
+# range (resampling 1 Hz to 16 kHz multiplies a file 16,000-fold) or its declared length is
+# over the cap, and while it is decoded once it holds more than the cap: a render's speech
+# (MAX_SPEECH_S, 3 hours: 691 MB of 16 kHz float32) and an upload to --serve
+# (MAX_UPLOAD_SPEECH_S, 10 minutes).
+MIN_SAMPLE_RATE = 8_000
+MAX_SAMPLE_RATE = 192_000
+MAX_SPEECH_S = 3 * 3600.0
+MAX_UPLOAD_SPEECH_S = 600.0
+
 FIT_POLICIES = {
     "cover": "scaled to cover the frame, centre-cropped",
     "contain": "scaled to fit inside the frame, the rest filled with the background",

@@ -2,6 +2,9 @@
 (200 while the process is alive), /readyz (200 with {"state": "ready"} only when the engine is
 loaded, its graphs captured and a session can start; 503 with the state otherwise) and /metrics
 (the worker's Prometheus metrics, the same object as the page's /metrics), on --health-port.
+Every request must name a host the server answers to (runtime/access.py: IP addresses,
+localhost and --allow-host), so that no web page can read them by DNS rebinding; monitoring
+that scrapes by address reads them as before.
 
 The server is the standard library's ThreadingHTTPServer on a thread of its own, not an aiohttp
 app: it must answer from before the engine loads (the load holds the main thread, before any
@@ -19,10 +22,13 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from .access import Access
+
 # What /readyz says, in the order a worker meets them. Only "ready" answers 200.
 STATES = ("loading", "ready", "busy", "draining", "failed")
 POLL_S = 0.1  # how often the probe thread looks for its stop
 HEALTH_PORT = 8081  # --health-port's default
+RANKS_DOWN = "a TP rank stopped: its ranks are being started afresh"
 
 
 class ProbeError(RuntimeError):
@@ -42,6 +48,7 @@ class Readiness:
         self._clock = clock
         self._phase, self._detail, self._since = "loading", "starting", clock()
         self._busy: Callable[[], bool] = lambda: False
+        self._healthy: Callable[[], bool] = lambda: True
         self.engine: str | None = None  # the engine's target, once it is read
 
     def _set(self, phase: str, detail: str) -> None:
@@ -55,9 +62,15 @@ class Readiness:
     def loading(self, detail: str) -> None:
         self._set("loading", detail)
 
-    def ready(self, busy: Callable[[], bool] | None = None) -> None:
+    def ready(self, busy: Callable[[], bool] | None = None,
+              healthy: Callable[[], bool] | None = None) -> None:
+        """Ready: `busy()` says whether a session is in progress; `healthy()` (a TP worker's
+        `alive`) whether its rank processes all run, read at every report, so a rank that
+        dies turns the worker not-ready before any offer can reach it."""
         if busy is not None:
             self._busy = busy
+        if healthy is not None:
+            self._healthy = healthy
         self._set("ready", "")
 
     def draining(self, detail: str) -> None:
@@ -66,21 +79,24 @@ class Readiness:
     def failed(self, reason: str) -> None:
         self._set("failed", reason)
 
+    def _now(self) -> tuple[str, str, float]:
+        """(state, detail, since): a ready worker whose ranks stopped reads loading (they are
+        started afresh), one in a session busy."""
+        with self._lock:
+            phase, detail, since = self._phase, self._detail, self._since
+        if phase == "ready" and not self._healthy():
+            return "loading", RANKS_DOWN, since
+        if phase == "ready" and self._busy():
+            return "busy", "a session is in progress (one session per worker)", since
+        return phase, detail, since
+
     @property
     def state(self) -> str:
-        with self._lock:
-            phase = self._phase
-        if phase == "ready" and self._busy():
-            return "busy"
-        return phase
+        return self._now()[0]
 
     def report(self) -> tuple[int, dict]:
         """/readyz's status and JSON body."""
-        with self._lock:
-            phase, detail, since = self._phase, self._detail, self._since
-        state = "busy" if phase == "ready" and self._busy() else phase
-        if state == "busy":
-            detail = "a session is in progress (one session per worker)"
+        state, detail, since = self._now()
         body = {"state": state, "for_s": round(self._clock() - since, 3), "engine": self.engine}
         if detail:
             body["detail"] = detail
@@ -95,7 +111,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):  # noqa: N802 - http.server's name
         path = urlsplit(self.path).path
-        if path == "/healthz":
+        refused = self.probes.access.host_refusal(self.headers.get("Host"))
+        if refused is not None:
+            self._send(403, "application/json", json.dumps({"error": refused}))
+        elif path == "/healthz":
             self._send(200, "application/json", json.dumps(
                 {"alive": True, "uptime_s": round(time.monotonic() - self.probes.t0, 3)}))
         elif path == "/readyz":
@@ -128,8 +147,10 @@ class ProbeServer:
     """The probe routes on host:port, served from a thread of its own from start() to stop().
     `metrics` (runtime/metrics.py's Metrics) may be given once the engine is read."""
 
-    def __init__(self, readiness: Readiness, host: str, port: int, metrics=None):
+    def __init__(self, readiness: Readiness, host: str, port: int, metrics=None,
+                 access: Access = Access()):
         self.readiness, self.host, self.port, self.metrics = readiness, host, port, metrics
+        self.access = access  # the host names it answers to (runtime/access.py)
         self.t0 = time.monotonic()
         self.httpd: ThreadingHTTPServer | None = None
         self.thread: threading.Thread | None = None

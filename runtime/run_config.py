@@ -31,7 +31,9 @@ class RunConfig:
     WebRTC on `host`:`port` (`ice_servers`: STUN/TURN URLs; `slack`: finished steps that may
     queue ahead of playback); `livekit` runs a LiveKit avatar worker registered as
     `agent_name`. Both serve probes (/healthz, /readyz, /metrics) on `host`:`health_port`, and
-    SIGTERM drains them within `grace_period` seconds. `check` loads the engine, reports its
+    SIGTERM drains them within `grace_period` seconds; their ports answer to IP addresses,
+    localhost and `allow_hosts`, and take state-changing requests from the page's own origin,
+    `allow_origins` or no web page (runtime/access.py). `check` loads the engine, reports its
     start-up and exits."""
 
     engine_dir: Path
@@ -52,9 +54,12 @@ class RunConfig:
     check: bool = False
     health_port: int = HEALTH_PORT
     grace_period: float = GRACE_PERIOD_S
+    allow_hosts: tuple[str, ...] = ()
+    allow_origins: tuple[str, ...] = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "ice_servers", tuple(self.ice_servers))
+        for name in ("ice_servers", "allow_hosts", "allow_origins"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def mode(self) -> str:

@@ -8,16 +8,25 @@ ICE server is used unless given: aiortc's default would be a public STUN server.
 Routes: GET / (the page), GET /static/* (its style and script), POST /offer, POST /interrupt,
 POST /stop, GET /status (the state and the engine: family, preset, target, fps, frames per
 step), GET /metrics. Every error is JSON, {"error": sentence}, with a 4xx status for what
-the request got wrong and 5xx for what the server did. Uploads are decoded off the event
-loop, so /metrics and the rest answer while an image is read.
+the request got wrong and 5xx for what the server did (503 with Retry-After where trying
+again later will do). Uploads are bounded before they are read (runtime/access.py: how many
+at once and their bytes) and decoded off the event loop, so /metrics and the rest answer
+while an image is read; a speech upload is refused past MAX_UPLOAD_SPEECH_S.
 
-The session talks to the page over a data channel named "events" that the page opens:
-{"type": "stats", "state": ..., live numbers...} every STATS_PERIOD_S (Metrics.live(): the
-numbers /metrics has, from the same object), {"type": "state", "state": ...} when the state
-changes (runtime/live.py STATES), {"type": "error", "message": ...} when a rank dies or the
-session fails, {"type": "draining", ...} when a stop gives the session a deadline, and
-{"type": "ended"}. An offer whose client never connects frees the server
-after CONNECT_TIMEOUT_S.
+Who may do what (runtime/access.py): every request must name a host the server answers to
+(DNS rebinding); a POST must be JSON and come from the page's own origin, an allowed one, or
+no web page at all. /offer answers with the session's id, an unguessable token: /interrupt
+and /stop act only on the session their body names ({"session": id}), and the events
+channel carries the session's events only once the page has said the id on it.
+
+The session talks to the page over a data channel named "events" that the page opens and
+greets with {"type": "hello", "session": id}: {"type": "stats", "state": ..., live
+numbers...} every STATS_PERIOD_S (Metrics.live(): the numbers /metrics has, from the same
+object), {"type": "state", "state": ...} when the state changes (runtime/live.py STATES),
+{"type": "error", "message": ...} when a rank dies or the session fails, {"type":
+"draining", ...} when a stop gives the session a deadline, and {"type": "ended"}. An offer
+whose client never connects frees the server after CONNECT_TIMEOUT_S; a client that vanishes
+mid-session (no RTCP report for PEER_SILENT_S) frees it too.
 """
 
 from __future__ import annotations
@@ -28,8 +37,10 @@ import binascii
 import json
 import logging
 import re
+import secrets
 import signal
 import time
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -39,7 +50,8 @@ import torch
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
-from .formats import ImageFit, MediaError
+from .access import JSON_TYPE, UPLOAD_RETRY_AFTER_S, Access, UploadGate
+from .formats import MAX_UPLOAD_SPEECH_S, ImageFit, MediaError
 from .images import load_image
 from .live import LiveSession
 from .media import read_audio
@@ -50,10 +62,17 @@ from .worker import Worker
 log = logging.getLogger("charengine.server")
 
 MAX_UPLOAD_BYTES = 64 * 1024 * 1024  # the whole offer: image and speech as data URLs
-CONNECT_TIMEOUT_S = 10.0  # an answered offer whose peer has not connected by then is freed
+CONNECT_TIMEOUT_S = 5.0  # an answered offer whose peer has not connected by then is freed
+# a connected client that has sent no RTCP receiver report for this long has vanished (every
+# WebRTC receiver reports about once a second); looked at every PEER_POLL_S
+PEER_SILENT_S = 3.0
+PEER_POLL_S = 0.5
 STATS_PERIOD_S = 1.0  # how often the live numbers are pushed to the page
 ERROR_FLUSH_S = 0.2  # lets an error message leave before the peer closes
 MAX_NAME_CHARS = 80  # an uploaded file's name, as messages quote it
+TOKEN_BYTES = 16  # a session id's randomness (secrets.token_urlsafe: 22 characters)
+MAX_CHANNEL_MESSAGE = 4096  # the longest message the events channel reads
+RANKS_RETRY_AFTER_S = 5  # what an offer refused while the TP ranks restart is told to wait
 STATIC = "static"  # the page's files, package data of charengine.runtime
 
 
@@ -65,15 +84,32 @@ class BadRequest(ValueError):
     pass
 
 
+class NoSuchSession(LookupError):
+    """A control request whose session id names no session in progress (404)."""
+
+
+class Unavailable(RuntimeError):
+    """The server cannot take the request now (503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 def _data_url_bytes(url, what: str) -> bytes | None:
+    """The bytes of a data: URL (None for none given); BadRequest for anything else and for
+    an empty file."""
     if not url:
         return None
     if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
         raise BadRequest(f"{what}: expected a data: URL")
     try:
-        return base64.b64decode(url.split(",", 1)[1], validate=False)
+        data = base64.b64decode(url.split(",", 1)[1], validate=False)
     except (binascii.Error, ValueError):
         raise BadRequest(f"{what}: the data URL is not valid base64") from None
+    if not data:
+        raise BadRequest(f"{what}: the file is empty; choose another")
+    return data
 
 
 def _upload_error(e: MediaError, what: str, name) -> BadRequest:
@@ -85,8 +121,9 @@ def _upload_error(e: MediaError, what: str, name) -> BadRequest:
     return BadRequest(f"{what}: {text}")
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+def _error(status: int, message: str, retry_after: float | None = None) -> web.Response:
+    headers = {"Retry-After": f"{retry_after:g}"} if retry_after is not None else None
+    return web.json_response({"error": message}, status=status, headers=headers)
 
 
 @web.middleware
@@ -103,6 +140,10 @@ async def json_errors(request, handler):
         return _error(e.status, e.reason or "request failed")
     except (BadRequest, MediaError) as e:
         return _error(400, str(e))
+    except NoSuchSession as e:
+        return _error(404, str(e))
+    except Unavailable as e:
+        return _error(503, str(e), retry_after=e.retry_after_s)
     except Exception as e:  # noqa: BLE001 - the page shows a sentence, the log the cause
         log.error("%s %s failed: %s: %s", request.method, request.path, type(e).__name__, e)
         return _error(500, f"the server failed ({type(e).__name__}: {e})")
@@ -123,26 +164,64 @@ def engine_info(worker: Worker, slack: int) -> dict:
             "sample_rate": spec.side.sample_rate}
 
 
+@dataclass
+class Served:
+    """The session in progress: its token (the capability /interrupt, /stop and the events
+    channel ask for), its number (what the log names), the session, its peer connection, the
+    page's "events" channel once it has said the token, and the tasks that watch it."""
+    token: str
+    number: int
+    session: LiveSession
+    pc: RTCPeerConnection
+    events: object = None
+    tasks: list = field(default_factory=list)
+
+
+def _checked_str(body: dict, key: str, default=None):
+    """body[key] where it is absent, null or a string; else BadRequest naming it."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise BadRequest(f"'{key}' must be a string, not {type(value).__name__}")
+    return value
+
+
+def parse_json(raw: bytes, what: str):
+    """A request body as JSON; BadRequest (400) for anything else, nesting included."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest(f"{what} is not JSON") from None
+    except RecursionError:
+        raise BadRequest(f"{what} is JSON nested too deeply") from None
+
+
 class Server:
     def __init__(self, worker: Worker, metrics: Metrics, ice_servers: list[str] = (),
                  slack: int = 2, image_fit: ImageFit = ImageFit(),
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 stats_period_s: float = STATS_PERIOD_S):
+                 stats_period_s: float = STATS_PERIOD_S, access: Access = Access(),
+                 peer_silent_s: float = PEER_SILENT_S):
         self.worker, self.metrics, self.slack = worker, metrics, slack
         self.image_fit, self.connect_timeout_s = image_fit, connect_timeout_s
-        self.stats_period_s = stats_period_s
+        self.stats_period_s, self.access, self.peer_silent_s = stats_period_s, access, \
+            peer_silent_s
         self.ice = [RTCIceServer(urls=u) for u in ice_servers]
-        self.session: LiveSession | None = None
-        self.pc: RTCPeerConnection | None = None
-        self.events = None  # the page's "events" data channel
-        self.stats_task: asyncio.Task | None = None
+        self.served: Served | None = None
+        self.uploads = UploadGate(MAX_UPLOAD_BYTES)
         self.lock = asyncio.Lock()
         self.sessions = 0
         self.last_error: str | None = None
         self.info = engine_info(worker, slack)
 
+    @property
+    def session(self) -> LiveSession | None:
+        return self.served.session if self.served is not None else None
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_UPLOAD_BYTES, middlewares=[json_errors])
+        app = web.Application(client_max_size=MAX_UPLOAD_BYTES,
+                              middlewares=[json_errors, self.guard])
         app.router.add_get("/", self.index)
         app.router.add_get("/static/{name}", self.static)
         app.router.add_post("/offer", self.offer)
@@ -152,6 +231,21 @@ class Server:
         app.router.add_get("/metrics", self.metrics_page)
         app.on_shutdown.append(lambda _: self.close())
         return app
+
+    @web.middleware
+    async def guard(self, request, handler):
+        """runtime/access.py: the Host every request names; for a POST, JSON and the page's
+        own origin (or an allowed one)."""
+        why = self.access.host_refusal(request.headers.get("Host"))
+        if why is None and request.method == "POST":
+            if request.content_type != JSON_TYPE:
+                return _error(415, f"send the request as JSON (Content-Type: {JSON_TYPE})")
+            why = self.access.origin_refusal(request.headers.get("Origin"),
+                                             request.headers.get("Host"))
+        if why is not None:
+            log.warning("refused %s %s: %s", request.method, request.path, why)
+            return _error(403, why)
+        return await handler(request)
 
     @staticmethod
     def static_dir() -> Path:
@@ -178,30 +272,33 @@ class Server:
                                   "session_state": self.session.state if self.session else None,
                                   "sessions": self.sessions, "last_error": self.last_error,
                                   "model": spec.name, "family": spec.FAMILY, "fps": spec.fps,
-                                  "engine": self.info, "max_upload_bytes": MAX_UPLOAD_BYTES})
+                                  "engine": self.info, "max_upload_bytes": MAX_UPLOAD_BYTES,
+                                  "uploads_in_flight": self.uploads.count})
 
     def _read_media(self, body: dict):
         """The offer's image and speech, decoded (on an executor thread)."""
         spec = self.worker.spec
         fit = self.image_fit
-        if body.get("fit") is not None or body.get("background") is not None:
-            fit = ImageFit(body.get("fit") or fit.policy, body.get("background") or fit.background)
+        policy, background = _checked_str(body, "fit"), _checked_str(body, "background")
+        if policy is not None or background is not None:
+            fit = ImageFit(policy or fit.policy, background or fit.background)
         notes = []
-        if body.get("image"):
+        image_bytes = _data_url_bytes(_checked_str(body, "image"), "image")
+        if image_bytes is not None:
             try:
-                picture = load_image(_data_url_bytes(body["image"], "image"), spec.out_h,
-                                     spec.out_w, fit)
+                picture = load_image(image_bytes, spec.out_h, spec.out_w, fit)
             except MediaError as e:
                 raise _upload_error(e, "the image", body.get("image_name")) from None
             image = picture.pixels
             notes.append(f"image: {picture.describe()}")
         else:
             image = torch.full((3, spec.out_h, spec.out_w), 0.5)
-        speech_bytes = _data_url_bytes(body.get("speech"), "speech")
-        if speech_bytes:
+        speech_bytes = _data_url_bytes(_checked_str(body, "speech"), "speech")
+        if speech_bytes is not None:
             warnings: list[str] = []
             try:
-                speech = read_audio(speech_bytes, spec.side.sample_rate, warn=warnings.append)
+                speech = read_audio(speech_bytes, spec.side.sample_rate, warn=warnings.append,
+                                    max_seconds=MAX_UPLOAD_SPEECH_S)
             except MediaError as e:
                 raise _upload_error(e, "the speech", body.get("speech_name")) from None
             notes.append(f"speech: {speech.numel() / spec.side.sample_rate:.1f} s at "
@@ -211,18 +308,41 @@ class Server:
             speech = None
         return image, speech, notes
 
-    async def offer(self, request):
+    def _unavailable(self) -> web.Response | None:
+        """The answer to an offer that cannot be taken now, before its body is read."""
+        if self.served is not None or self.lock.locked():
+            return _error(409, "busy: one session at a time; try again when it ends")
+        alive = getattr(self.worker, "alive", None)
+        if alive is not None and not alive():
+            return _error(503, "the model's ranks are starting afresh (one stopped); try "
+                               "again in a few seconds", RANKS_RETRY_AFTER_S)
+        return None
+
+    async def _offer_body(self, request) -> dict:
+        """The offer's JSON, read within the upload gate; its fields' types checked."""
+        size = self.uploads.admit(request.content_length)
+        if size is None:
+            raise Unavailable("the server is reading other uploads: try again in a moment",
+                              UPLOAD_RETRY_AFTER_S)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise BadRequest("the offer is not JSON") from None
+            raw = await request.read()
+        finally:
+            self.uploads.release(size)
+        body = parse_json(raw, "the offer")
         if not isinstance(body, dict) or not isinstance(body.get("sdp"), str) \
                 or body.get("type") != "offer":
             raise BadRequest("the offer needs 'sdp' (a string) and 'type': 'offer'")
-        if not isinstance(body.get("prompt", ""), str):
-            raise BadRequest("'prompt' must be a string")
+        for key in ("prompt", "image", "speech", "fit", "background"):
+            _checked_str(body, key)
+        return body
+
+    async def offer(self, request):
+        refused = self._unavailable()
+        if refused is not None:
+            return refused
+        body = await self._offer_body(request)
         async with self.lock:
-            if self.session is not None:
+            if self.served is not None:  # an offer read beside this one took the slot
                 return _error(409, "busy: one session at a time; try again when it ends")
             loop = asyncio.get_running_loop()
             image, speech, notes = await loop.run_in_executor(None, self._read_media, body)
@@ -246,77 +366,123 @@ class Server:
                 raise BadRequest(f"the offer's SDP could not be negotiated ({why}); send the "
                                  "page's own offer") from None
             self.sessions += 1
-            sid = str(self.sessions)
-            session = LiveSession(
-                self.worker, out.publish, self.slack, self.metrics, session_id=sid,
+            served = Served(secrets.token_urlsafe(TOKEN_BYTES), self.sessions, None, pc)
+            served.session = LiveSession(
+                self.worker, out.publish, self.slack, self.metrics,
+                session_id=str(served.number),
                 on_error=lambda msg: loop.call_soon_threadsafe(
-                    lambda: asyncio.ensure_future(self._failed(session, msg))),
+                    lambda: asyncio.ensure_future(self._failed(served, msg))),
                 on_state=lambda state: loop.call_soon_threadsafe(
-                    self._state_changed, session, state))
+                    self._state_changed, served, state))
 
             @pc.on("datachannel")
             def on_channel(channel):
-                if channel.label == "events" and self.session is session:
-                    self.events = channel
+                if channel.label == "events":
+                    channel.on("message", lambda m: self._channel_said(served, channel, m))
 
             @pc.on("connectionstatechange")
             async def on_state():
-                if pc.connectionState in ("failed", "closed") and self.pc is pc:
+                if pc.connectionState in ("failed", "closed") and self.served is served:
                     await self.close()
 
-            self.session, self.pc, self.events = session, pc, None
+            self.served = served
             try:
-                await loop.run_in_executor(None, session.start, image, body.get("prompt", ""))
+                await loop.run_in_executor(None, served.session.start, image,
+                                           body.get("prompt") or "")
             except Exception as e:  # noqa: BLE001 - a rank group that could not start
-                self.session = self.pc = None
+                self.served = None
                 await pc.close()
                 self.last_error = str(e)
                 return _error(503, f"the session could not start: {e}")
             if speech is not None:
-                session.say(speech)
+                served.session.say(speech)
             for track in microphones:
-                asyncio.ensure_future(self._microphone(track, session))
-            asyncio.ensure_future(self._connect_watchdog(pc))
-            self.stats_task = asyncio.ensure_future(self._push_stats(session))
-            log.info("session %s started", sid)
+                served.tasks.append(asyncio.ensure_future(
+                    self._microphone(track, served.session)))
+            served.tasks += [asyncio.ensure_future(self._connect_watchdog(served)),
+                             asyncio.ensure_future(self._peer_watchdog(served)),
+                             asyncio.ensure_future(self._push_stats(served))]
+            log.info("session %d started", served.number)
             return web.json_response({"sdp": pc.localDescription.sdp,
                                       "type": pc.localDescription.type, "notes": notes,
-                                      "session": sid})
+                                      "session": served.token})
 
-    async def _connect_watchdog(self, pc: RTCPeerConnection) -> None:
+    def _channel_said(self, served: Served, channel, message) -> None:
+        """The page's word on its events channel: {"type": "hello", "session": token} makes
+        the channel the session's (events go nowhere before); anything else is ignored."""
+        if not isinstance(message, str) or len(message) > MAX_CHANNEL_MESSAGE:
+            return
+        try:
+            said = json.loads(message)
+        except (json.JSONDecodeError, RecursionError):
+            return
+        if isinstance(said, dict) and said.get("type") == "hello" and \
+                isinstance(said.get("session"), str) and \
+                secrets.compare_digest(said["session"], served.token):
+            served.events = channel
+
+    async def _connect_watchdog(self, served: Served) -> None:
         await asyncio.sleep(self.connect_timeout_s)
-        if self.pc is pc and pc.connectionState != "connected":
-            log.warning("the client did not connect within %g s; session freed",
-                        self.connect_timeout_s)
+        if self.served is served and served.pc.connectionState != "connected":
+            log.warning("session %d: the client did not connect within %g s; session freed",
+                        served.number, self.connect_timeout_s)
             await self.close()
 
-    async def _push_stats(self, session: LiveSession) -> None:
+    async def _peer_watchdog(self, served: Served) -> None:
+        """A client that vanished (killed, its network gone) sends nothing more, but its
+        connection reads "connected" until ICE's consent expires (30 s): every WebRTC
+        receiver reports on the video it gets (RTCP receiver reports, about every second),
+        so a session whose client has reported once and then not for peer_silent_s is
+        ended."""
+        sender = next((s for s in served.pc.getSenders() if s.kind == "video"), None)
+        last, heard = None, None
+        while self.served is served and sender is not None:
+            await asyncio.sleep(PEER_POLL_S)
+            stats = await sender.getStats()
+            reports = [r.timestamp for r in stats.values() if r.type == "remote-inbound-rtp"]
+            now = time.monotonic()
+            if reports and reports[0] != last:
+                last, heard = reports[0], now
+            elif heard is not None and now - heard > self.peer_silent_s \
+                    and self.served is served:
+                log.warning("session %d: the client stopped answering (no report for %g s); "
+                            "session freed", served.number, self.peer_silent_s)
+                await self.close()
+                return
+
+    async def _push_stats(self, served: Served) -> None:
         """The live numbers to the page, every stats_period_s, while the session lasts."""
-        while self.session is session:
-            self._send({"type": "stats", "state": session.state, **self.metrics.live()})
+        while self.served is served:
+            self._send(served, {"type": "stats", "state": served.session.state,
+                                **self.metrics.live()})
             await asyncio.sleep(self.stats_period_s)
 
-    def _state_changed(self, session: LiveSession, state: str) -> None:
-        if self.session is session:
-            self._send({"type": "state", "state": state})
+    def _state_changed(self, served: Served, state: str) -> None:
+        if self.served is served:
+            self._send(served, {"type": "state", "state": state})
 
-    async def _failed(self, session: LiveSession, message: str) -> None:
+    async def _failed(self, served: Served, message: str) -> None:
         """The session failed on its own (a rank died): tell the page, free the server; the
         next session starts on fresh ranks."""
-        if self.session is not session:
+        if self.served is not served:
             return
         self.last_error = message
-        self._send({"type": "error", "message": message})
+        self._send(served, {"type": "error", "message": message})
         await asyncio.sleep(ERROR_FLUSH_S)  # let the message leave before the peer closes
         await self.close()
 
-    def _send(self, event: dict) -> None:
-        ch = self.events
+    @staticmethod
+    def _send(served: Served | None, event: dict) -> None:
+        ch = served.events if served is not None else None
         if ch is not None and ch.readyState == "open":
             try:
                 ch.send(json.dumps(event))
             except Exception:  # noqa: BLE001 - the peer is going away
                 pass
+
+    def send_all(self, event: dict) -> None:
+        """An event to the page of the session in progress (if any)."""
+        self._send(self.served, event)
 
     async def _microphone(self, track, session: LiveSession):
         rs = av.AudioResampler(format="flt", layout="mono", rate=self.worker.spec.side.sample_rate)
@@ -328,29 +494,40 @@ class Server:
             for f in rs.resample(frame):
                 session.say(torch.from_numpy(np.ascontiguousarray(f.to_ndarray().reshape(-1))))
 
+    async def _owned(self, request) -> Served:
+        """The session a control request names ({"session": token}, as /offer returned it)."""
+        body = parse_json(await request.read(), "the request")
+        token = body.get("session") if isinstance(body, dict) else None
+        if not isinstance(token, str) or not token:
+            raise BadRequest('name the session: {"session": id}, the id /offer returned')
+        served = self.served
+        if served is None or not secrets.compare_digest(token, served.token):
+            raise NoSuchSession("no such session: it has ended, or it is not yours; press "
+                                "Start to begin a new one")
+        return served
+
     async def interrupt(self, request):
-        if self.session is None:
-            return _error(409, "no session to interrupt: press Start first")
-        t = self.session.interrupt()
+        served = await self._owned(request)
+        t = served.session.interrupt()
         return web.json_response({"interrupt_t": t, "now": time.monotonic()})
 
     async def stop(self, request):
-        fps = await self.close()
+        served = await self._owned(request)
+        fps = await self.close(served)
         return web.json_response({"fps": fps})
 
-    async def close(self):
-        session, pc = self.session, self.pc
-        self.session = self.pc = None
-        if self.stats_task is not None:
-            self.stats_task.cancel()
-            self.stats_task = None
-        fps = None
-        if session is not None:
-            fps = await asyncio.get_running_loop().run_in_executor(None, session.stop)
-            self._send({"type": "ended", "fps": fps})
-        self.events = None
-        if pc is not None:
-            await pc.close()
+    async def close(self, only: Served | None = None):
+        """End the session in progress (`only`: if it is still that one)."""
+        served = self.served
+        if served is None or (only is not None and served is not only):
+            return None
+        self.served = None
+        for task in served.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        fps = await asyncio.get_running_loop().run_in_executor(None, served.session.stop)
+        self._send(served, {"type": "ended", "fps": fps})
+        await served.pc.close()
         return fps
 
 
@@ -360,7 +537,7 @@ async def _serve(server: Server, host: str, port: int, readiness=None, drain=Non
     503 at once, the page in a session is told how long it has left ({"type": "draining"}),
     the session goes on until it ends or its time is up, then ends cleanly ({"type": "ended"}
     and the peer connection closed). SIGINT, or a second signal, ends it at once."""
-    from .lifecycle import Drain, keep_ranks
+    from .lifecycle import STOP_SIGNALS, Drain, keep_ranks
     from .probes import Readiness
 
     readiness = readiness or Readiness()
@@ -401,7 +578,7 @@ async def _serve(server: Server, host: str, port: int, readiness=None, drain=Non
             if busy() and left > 0:
                 readiness.draining(f"stopping ({sig.name}): the session in progress ends "
                                    f"within {left:.0f} s")
-                server._send({"type": "draining", "ends_in_s": round(left, 1),
+                server.send_all({"type": "draining", "ends_in_s": round(left, 1),
                               "message": f"The server is stopping: this session ends in "
                                          f"{left:.0f} s."})
                 log.info("%s: draining; the session in progress may go on for %.1f s",
@@ -410,10 +587,10 @@ async def _serve(server: Server, host: str, port: int, readiness=None, drain=Non
                 readiness.draining(f"stopping ({sig.name})")
         wake.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     print(f"charrun: serving on http://{host}:{port}/", flush=True)
-    readiness.ready(busy)
+    readiness.ready(busy, healthy=getattr(server.worker, "alive", None))
     if drain.begun:  # the signal came while the engine loaded
         readiness.draining(f"stopping ({drain.signame})")
         wake.set()
@@ -431,12 +608,12 @@ async def _serve(server: Server, host: str, port: int, readiness=None, drain=Non
 
 def serve(worker: Worker, host: str, port: int, ice_servers: list[str], slack: int,
           image_fit: ImageFit = ImageFit(), readiness=None, metrics: Metrics | None = None,
-          drain=None) -> None:
+          drain=None, access: Access = Access()) -> None:
     """Serve until SIGINT or SIGTERM; the session in progress ends cleanly (the caller stops
     the worker's ranks). `readiness` (runtime/probes.py) reads ready once the page listens;
     `metrics` is the worker's (the probe server's /metrics too); `drain`
     (runtime/lifecycle.py) carries --grace-period."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     metrics = metrics or Metrics(target_fps=worker.spec.fps)
-    server = Server(worker, metrics, ice_servers, slack, image_fit)
+    server = Server(worker, metrics, ice_servers, slack, image_fit, access=access)
     asyncio.run(_serve(server, host, port, readiness, drain))

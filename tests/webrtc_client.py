@@ -80,6 +80,9 @@ async def main(args) -> None:
     if status != 200:
         say("refused", t0, status=status, body=answer)
         return
+    # the server sends the session's events once the channel has said the session's id
+    events.on("open", lambda: events.send(json.dumps({"type": "hello",
+                                                      "session": answer["session"]})))
     await pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
 
     async def poll_readyz():

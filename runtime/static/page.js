@@ -41,7 +41,7 @@ const WHAT_TO_DO = {
     500: "The server failed: charrun's log has the cause. Press Start to try again.",
     503: "Wait a moment, then press Start again.",
   },
-  interrupt: { 409: "The session had already ended: press Start to begin a new one." },
+  interrupt: { 404: "The session had already ended: press Start to begin a new one." },
   stop: {},
   status: {},
 };
@@ -50,6 +50,7 @@ const page = {
   engine: null,       // /status's "engine"
   pc: null,
   events: null,
+  session: null,      // the session's id from /offer: its capability
   active: false,      // a session is open (from Start until it ends)
   errored: false,     // this session ended in an error: keep its sentence
   lastStats: 0,       // when the last live numbers arrived (performance.now())
@@ -369,6 +370,8 @@ async function start() {
   };
   pc.onconnectionstatechange = () => connectionChanged(pc);
   const events = page.events = pc.createDataChannel("events");  // the server's word
+  // the server sends the session's events once the channel has said the session's id
+  events.onopen = () => events.send(JSON.stringify({ type: "hello", session: page.session }));
   events.onmessage = (ev) => serverSaid(pc, JSON.parse(ev.data));
   events.onclose = () => {
     if (page.pc === pc && page.active) dropped("the server closed the session's channel");
@@ -406,6 +409,7 @@ async function start() {
     fail(got.error);
     return;
   }
+  page.session = got.body.session;  // what /interrupt, /stop and the events channel ask for
   try {
     await pc.setRemoteDescription(got.body);
   } catch (err) {
@@ -495,9 +499,15 @@ function end() {
   updateButtons();
 }
 
+// A control request for this page's session: JSON naming it by the id /offer gave.
+function sessionRequest() {
+  return { method: "POST", body: JSON.stringify({ session: page.session }),
+           headers: { "Content-Type": "application/json" } };
+}
+
 async function interrupt() {
   const got = await request("/interrupt", "interrupt", "Could not interrupt",
-                            { method: "POST" });
+                            sessionRequest());
   if (got.error) {
     fail(got.error);
     return;
@@ -506,7 +516,7 @@ async function interrupt() {
 }
 
 async function stop() {
-  const got = await request("/stop", "stop", "Could not stop cleanly", { method: "POST" });
+  const got = await request("/stop", "stop", "Could not stop cleanly", sessionRequest());
   end();
   if (got.error) fail(got.error);
   else if (!page.errored) setState("ended");
