@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -50,6 +53,23 @@ def config_of(target_name, out, weights, random_weights, seed, preset_name, rank
                        preset_name=preset_name, ranks=ranks, kernels=not no_kernels,
                        random_side_networks=random_side_networks, side_files=side_files,
                        export_onnx=export_onnx)
+
+
+# errno of a write that found no room: a full disk, a file-size limit, a full quota
+NO_ROOM = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "a file-size limit",
+           errno.EDQUOT: "the disk quota is full"}
+
+
+def write_failure(e: BaseException) -> str | None:
+    """What a failed write of the engine ran into (an OSError, or safetensors' error carrying
+    its OS error), or None for anything else."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None:
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        code = int(found.group(1)) if found and type(e).__name__ == "SafetensorError" else None
+    if code in NO_ROOM:
+        return f"{NO_ROOM[code]}: {os.strerror(code)}"
+    return None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -111,6 +131,13 @@ def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no
         m = build(config, log=lambda s: click.echo(s, err=True))
     except (CheckpointError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a write that failed: one line, or re-raised
+        why = write_failure(e)
+        if why is None:
+            raise
+        raise click.ClickException(f"the engine could not be written ({why}): free space "
+                                   f"where --out is, or lift the file-size limit, and build "
+                                   f"again; {out} is as it was") from None
     except KeyboardInterrupt:
         sig = stopped_by[0] if stopped_by else signal.SIGINT
         click.echo(f"charbuild: stopped by {signal.Signals(sig).name}; {out} is as it was",

@@ -2,7 +2,9 @@
 in at the end, only where --out is absent, empty or an engine directory (it holds an engine
 manifest and nothing the manifest does not list). Anything else is refused, in one line,
 before any work; a build that fails or is stopped leaves nothing behind (no staging
-directory, no parent directory it had to create)."""
+directory, no parent directory it had to create), and one that is killed leaves what the next
+build to the same --out removes. One build writes an --out at a time; the engine is readable
+by every user (less the umask)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 from charengine.engine_format import MANIFEST
-from charengine.paths import make_dirs, missing_dirs, remove_dirs
+from charengine.paths import (Busy, OutputLock, make_dirs, missing_dirs, remove_dirs,
+                              remove_stale)
 
 
 class OutputError(ValueError):
@@ -69,20 +72,43 @@ def check_out(out: Path) -> Path:
     return path
 
 
+def readable_by_all(root: Path) -> None:
+    """Directories 0o777 and files 0o666 under `root`, less the umask (0755 and 0644 under the
+    usual 022): an engine another user can read, such as the container's charengine user
+    (uid 10001) from a read-only mount; mkdtemp makes 0700."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for d, _, files in os.walk(root):
+        os.chmod(d, 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o666 & ~mask)
+
+
 class Staging:
     """`with Staging(out) as tmp:` build into tmp, then `commit()`; leaving the block
     without a commit (an error, Ctrl-C, SIGTERM through SystemExit) removes tmp and the
-    parent directories it created."""
+    parent directories it created. One build writes an --out at a time (OutputLock: another
+    is refused in one line), and what a build killed before it could clean up left beside
+    --out (its staging directory) is removed when the next one begins."""
 
     def __init__(self, out: Path):
         self.out = check_out(out)
         self.tmp: Path | None = None
         self.created: list[Path] = []
         self.committed = False
+        self.lock: OutputLock | None = None
 
     def __enter__(self) -> Path:
         try:
             self.created = make_dirs(missing_dirs(self.out)[0])
+            try:
+                self.lock = OutputLock(self.out)
+            except Busy as e:
+                self._clean()
+                raise OutputError(f"--out {self.out}: another charbuild is writing it ({e}); "
+                                  "wait for it to finish, or name another directory") from None
+            for leftover in (f".{self.out.name}.building-*", f".{self.out.name}.replaced-*"):
+                remove_stale(self.out.parent, leftover)
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.building-",
                                              dir=self.out.parent))
         except OSError as e:
@@ -94,6 +120,7 @@ class Staging:
         """Swap the built directory in: --out is checked again (it may have changed while
         the engine was built); an engine it held is removed only once the new one is there."""
         out = check_out(self.out)
+        readable_by_all(self.tmp)
         old = None
         if out.exists():
             if any(out.iterdir()):
@@ -109,8 +136,14 @@ class Staging:
     def _clean(self) -> None:
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
         remove_dirs(self.created)
 
     def __exit__(self, *exc) -> None:
         if not self.committed:
             self._clean()
+        elif self.lock is not None:
+            self.lock.release()
+            self.lock = None

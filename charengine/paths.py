@@ -1,8 +1,14 @@
-"""Directories an output needs: the ones missing above it, made on request and removed
-again when the output is not written (charbuild's engine directory, charrun's video)."""
+"""Outputs' directories and temporary siblings: the directories missing above an output,
+made on request and removed again when it is not written (charbuild's engine directory,
+charrun's video); the temporary files and directories an output is written in, held by
+their live writer (a flock) so that the next run removes those a killed one left; and the
+one writer of an output (charbuild's --out)."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
 from pathlib import Path
 
 
@@ -38,3 +44,82 @@ def remove_dirs(made: list[Path]) -> None:
             d.rmdir()
         except OSError:
             break
+
+
+def remove_stale(directory: Path, pattern: str) -> list[Path]:
+    """Remove what matches glob `pattern` in `directory` (a temporary file or directory an
+    output is written in) and is not held by a live writer (`Held`): what a run killed before
+    it could clean up left behind. Returns what was removed."""
+    removed = []
+    for p in Path(directory).glob(pattern):
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its writer is alive
+            os.close(fd)
+            continue
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+        finally:
+            os.close(fd)
+    return removed
+
+
+class Held:
+    """An exclusive flock on a path (a temporary file or directory being written) for as
+    long as this process holds it (release(), or the process's end, however it ends), which
+    marks it as a live writer's to remove_stale."""
+
+    def __init__(self, path: Path):
+        self.fd: int | None = os.open(path, os.O_RDONLY)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class Busy(RuntimeError):
+    """Another live process holds the lock (its pid in the message)."""
+
+
+class OutputLock:
+    """The one writer of an output: an exclusive flock on `.NAME.lock` beside it, taken at
+    once or refused (Busy, naming the holder's pid). The kernel lets go of it however the
+    process ends; the file is removed by release(), so a killed writer's is removed by the
+    next writer to finish."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out).parent / f".{Path(out).name}.lock"
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise Busy(f"pid {holder}") from None
+            try:  # the file may have been removed by the writer before us after we opened it
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None

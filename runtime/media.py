@@ -14,9 +14,10 @@ import av
 import numpy as np
 import torch
 
-from charengine.paths import make_dirs, missing_dirs, remove_dirs
+from charengine.paths import Held, make_dirs, missing_dirs, remove_dirs, remove_stale
 
-from .formats import VIDEO_SUFFIXES, MediaError, source_of
+from .formats import (MAX_SAMPLE_RATE, MAX_SPEECH_S, MIN_SAMPLE_RATE, VIDEO_SUFFIXES,
+                      MediaError, source_of)
 
 
 # Audio whose container declares a length is cut to it (encoders pad their last frame); one
@@ -36,12 +37,29 @@ def _wav_header_seconds(src: str | Path | bytes) -> float | None:
         return None
 
 
-def read_audio(src: str | Path | bytes, rate: int, warn=None) -> torch.Tensor:
+def _audio_limits(path: str, stream, declared: float | None, max_seconds: float) -> None:
+    """Refuse, before decoding, a stream whose declared sample rate is outside
+    [MIN_SAMPLE_RATE, MAX_SAMPLE_RATE] or whose declared length is over `max_seconds`."""
+    rate = stream.rate or stream.codec_context.sample_rate
+    if not MIN_SAMPLE_RATE <= (rate or 0) <= MAX_SAMPLE_RATE:
+        raise MediaError(f"{path}: declares a sample rate of {rate or 0} Hz; speech must be "
+                         f"{MIN_SAMPLE_RATE:,} to {MAX_SAMPLE_RATE:,} Hz: re-export it")
+    if declared is not None and declared > max_seconds:
+        raise MediaError(f"{path}: declares {declared:,.0f} s of speech; at most "
+                         f"{max_seconds:,.0f} s is taken: cut it into parts")
+
+
+def read_audio(src: str | Path | bytes, rate: int, warn=None,
+               max_seconds: float = MAX_SPEECH_S) -> torch.Tensor:
     """Any audio file PyAV decodes (a path or its bytes) -> mono float32 samples at `rate`
     (stereo is averaged by the resampler, other rates converted), as long as the container
-    says it is (an encoder's padding of the last frame dropped). Audio with NaN or infinite
-    samples is refused; `warn(line)` hears of a file that ends before its declared length."""
+    says it is (an encoder's padding of the last frame dropped). Bounded before and while it
+    is decoded (runtime/formats.py): a declared sample rate outside the speech range, a
+    declared length over `max_seconds`, or more than that once decoded, is refused in one
+    line, as is audio with NaN or infinite samples; `warn(line)` hears of a file that ends
+    before its declared length."""
     f, path = source_of(src)
+    most = int(max_seconds * rate) + 1
     try:
         with av.open(f) as c:
             if not c.streams.audio:
@@ -51,10 +69,17 @@ def read_audio(src: str | Path | bytes, rate: int, warn=None) -> torch.Tensor:
                         else c.duration / av.time_base if c.duration else None)
             if c.format.name == "wav":  # FFmpeg clamps a WAV's length to what the file holds
                 declared = _wav_header_seconds(src) or declared
+            _audio_limits(path, stream, declared, max_seconds)
             rs = av.AudioResampler(format="flt", layout="mono", rate=rate)
-            chunks = []
+            chunks, have = [], 0
             for frame in c.decode(stream):
-                chunks += [f.to_ndarray().reshape(-1) for f in rs.resample(frame)]
+                for out in rs.resample(frame):
+                    chunks.append(out.to_ndarray().reshape(-1))
+                    have += chunks[-1].size
+                if have > most:
+                    raise MediaError(f"{path}: holds more than {max_seconds:,.0f} s of speech "
+                                     "(more than its header declares); at most that is taken: "
+                                     "cut it into parts")
             chunks += [f.to_ndarray().reshape(-1) for f in rs.resample(None)]
     except av.FFmpegError as e:
         raise MediaError(f"{path}: not an audio file ({e})") from None
@@ -118,15 +143,20 @@ class Mp4Writer:
     """H.264 video at `fps` and AAC audio at `rate`; frames and their audio are written
     together into a file beside `path`, which close() moves to `path` once it holds a frame
     (a file already at `path` is left as it was when none was written). close() is safe to
-    call at any point and leaves a playable file of every frame written (`frames`)."""
+    call at any point and leaves a playable file of every frame written (`frames`), or, where
+    the file could not be written (a full disk, a file-size limit), nothing: the partial file
+    is removed, `path` is as it was and `error` says why. The file being written is held
+    (paths.Held): one a killed writer left is removed by the next writer into its directory."""
 
     def __init__(self, path: str | Path, width: int, height: int, fps: int, rate: int):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(self.path.parent, f".{self.path.stem}.writing-*{self.path.suffix}")
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}.writing-",
                                    suffix=self.path.suffix, dir=self.path.parent)
         os.close(fd)
         self.tmp = Path(tmp)
+        self.held = Held(self.tmp)
         self.c = av.open(str(self.tmp), "w")
         self.v = self.c.add_stream("libx264", rate=fps)
         self.v.width, self.v.height, self.v.pix_fmt = width, height, "yuv420p"
@@ -135,38 +165,59 @@ class Mp4Writer:
         self.a = self.c.add_stream("aac", rate=rate)
         self.a.layout = "mono"
         self.rate = rate
-        self.frames = 0
+        self.frames = 0  # frames handed to the file so far
         self.samples = 0
         self.closed = False
+        self.written = False  # the file is at `path`, holding `frames` frames
+        self.error: str | None = None  # why it could not be written
 
     def write(self, frames: torch.Tensor, audio: torch.Tensor) -> None:
-        """frames [N, 3, H, W] in [0, 1]; audio [samples] float32 for those frames."""
+        """frames [N, 3, H, W] in [0, 1]; audio [samples] float32 for those frames. A write
+        that fails (a full disk) raises MediaError and the file will not be written."""
         rgb = (frames.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-        for img in rgb:
-            vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
-            vf.pts = self.frames
-            self.frames += 1
-            for p in self.v.encode(vf):
-                self.c.mux(p)
-        if audio.numel():
-            af = av.AudioFrame.from_ndarray(audio.numpy().astype(np.float32)[None], format="flt",
-                                            layout="mono")
-            af.sample_rate, af.pts = self.rate, self.samples
-            self.samples += audio.numel()
-            for p in self.a.encode(af):
-                self.c.mux(p)
+        try:
+            for img in rgb:
+                vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
+                vf.pts = self.frames
+                self.frames += 1
+                for p in self.v.encode(vf):
+                    self.c.mux(p)
+            if audio.numel():
+                af = av.AudioFrame.from_ndarray(audio.numpy().astype(np.float32)[None],
+                                                format="flt", layout="mono")
+                af.sample_rate, af.pts = self.rate, self.samples
+                self.samples += audio.numel()
+                for p in self.a.encode(af):
+                    self.c.mux(p)
+        except (OSError, av.FFmpegError) as e:
+            self.error = _write_error(e)
+            raise MediaError(f"{self.path}: could not be written ({self.error})") from None
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         try:
-            for s in (self.v, self.a):
-                for p in s.encode():
-                    self.c.mux(p)
+            if self.error is None:
+                for s in (self.v, self.a):
+                    for p in s.encode():
+                        self.c.mux(p)
+        except (OSError, av.FFmpegError) as e:
+            self.error = _write_error(e)
         finally:
-            self.c.close()
-            if self.frames:
+            try:
+                self.c.close()
+            except (OSError, av.FFmpegError) as e:
+                self.error = self.error or _write_error(e)
+            if self.frames and self.error is None:
                 os.replace(self.tmp, self.path)
+                self.written = True
             else:
                 self.tmp.unlink(missing_ok=True)
+            self.held.release()
+
+
+def _write_error(e: Exception) -> str:
+    """A failed write as a few words: the OS's reason (no space left on device, ...)."""
+    code = getattr(e, "errno", None)
+    return os.strerror(code) if code else str(e).strip().splitlines()[0]

@@ -1,5 +1,6 @@
 """A session rendered into an MP4: the writer is closed whatever happens, so Ctrl-C or a
-failure mid-session leaves a playable file of every step that was written."""
+failure mid-session leaves a playable file of every step that was written, and `Rendered`
+says what the file at `out` holds (nothing, where it could not be written)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,10 @@ from .pipeline import StepTimes
 class Rendered:
     def __init__(self):
         self.steps = 0
-        self.frames = 0  # frames in the file (those the writer took), true after any exit
+        self.frames = 0  # frames in the file at `out` once it is closed, true after any exit
         self.times: StepTimes | None = None
-
-    @property
-    def written(self) -> bool:
-        """The file exists at `out`: the writer moves it there once it holds a frame."""
-        return self.frames > 0
+        self.written = False  # the file is at `out` (the writer moved it there)
+        self.error: str | None = None  # why the file could not be written (a full disk)
 
 
 def render(worker, picture: torch.Tensor, prompt: str, speech: torch.Tensor,
@@ -38,10 +36,7 @@ def render(worker, picture: torch.Tensor, prompt: str, speech: torch.Tensor,
     def sink(i, frames):
         a, b = family.step_bounds(spec, i)
         chunk = speech[a:b]
-        try:
-            writer.write(frames, torch.nn.functional.pad(chunk, (0, (b - a) - chunk.numel())))
-        finally:
-            result.frames = writer.frames
+        writer.write(frames, torch.nn.functional.pad(chunk, (0, (b - a) - chunk.numel())))
         result.steps = i + 1
         if on_step is not None:
             on_step(result.steps)
@@ -50,8 +45,7 @@ def render(worker, picture: torch.Tensor, prompt: str, speech: torch.Tensor,
         worker.start(picture, prompt)
         result.times = worker.run(speech, steps, sink, seed=seed)
     finally:
-        try:
-            writer.close()
-        finally:
-            result.frames = writer.frames
+        writer.close()
+        result.written, result.error = writer.written, writer.error
+        result.frames = writer.frames if writer.written else 0
     return result
