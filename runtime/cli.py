@@ -19,15 +19,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
+from .access import Access, AccessError
 from .formats import (DEFAULT_BACKGROUND, FIT_POLICIES, MAX_IMAGE_PIXELS, VIDEO_SUFFIXES,
                       ImageFit)
-from .lifecycle import GRACE_PERIOD_S
+from .lifecycle import GRACE_PERIOD_S, STOP_SIGNALS
 from .prefetch import readahead_in_background
 from .probes import HEALTH_PORT
 from .run_config import RunConfig, livekit_setup_error
 
 if TYPE_CHECKING:  # torch is imported when an engine is loaded, after the probes answer
     from .engine import Engine
+
+
+MAX_SEED = 2**63 - 1  # the largest seed torch.Generator takes
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -44,10 +48,12 @@ def summary_table(times, steps_done: int, frames: int, wall_s: float, fps: int):
     t.add_column("ms per step")
     for c in ("p50", "p90", "p99", "max"):
         t.add_column(c, justify="right")
-    ends = [e for _, e in times.diffusion]
-    rows = {"audio encoder": [1e3 * (e - s) for s, e in times.audio],
-            "diffusion": [1e3 * (e - s) for s, e in times.diffusion],
-            "decoder": [1e3 * (e - s) for s, e in times.decode],
+    # each part's device time (GPU time on a GPU); the period between steps' frames leaving
+    # the decoder, which waits for its work, on the host's clock
+    ends = [e for _, e in times.decode]
+    rows = {"audio encoder": [1e3 * s for s in times.busy_s("audio")],
+            "diffusion": [1e3 * s for s in times.busy_s("diffusion")],
+            "decoder": [1e3 * s for s in times.busy_s("decode")],
             "period": [1e3 * (b - a) for a, b in zip(ends, ends[1:])]}
     for name, ms in rows.items():
         p = percentiles(ms)
@@ -85,7 +91,8 @@ def ready_check(cfg: RunConfig) -> None:
 
 
 class Stop:
-    """SIGINT and SIGTERM (what `docker stop` and `timeout` send) while a render runs: the
+    """SIGINT, SIGTERM and SIGHUP (what `docker stop` and `timeout` send, and a closed
+    terminal) while a render runs: the
     first takes effect between steps, so the MP4 holds whole steps with their audio; a
     second, or one before any step could be kept, stops at once. `on_signal(sig)` is told of
     each first (a serving charrun's drain starts its grace period there: should the
@@ -95,7 +102,7 @@ class Stop:
         self.signum: int | None = None
         self.generating = False
         self.on_signal = on_signal
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self)
 
     def __call__(self, signum, _frame):
@@ -107,7 +114,7 @@ class Stop:
         self.signum = signum
 
     def done(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
 
     @property
@@ -161,7 +168,8 @@ def side_networks_note(engine: Engine) -> str | None:
 @click.option("--out", type=click.Path(path_type=Path),
               help=f"Video to write ({', '.join(VIDEO_SUFFIXES)}).")
 @click.option("--prompt", default="", help="Text prompt.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+              help="Noise seed.")
 @click.option("--serve", is_flag=True, help="Serve a local page that streams over WebRTC.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address the page and the probe server listen on (0.0.0.0 in a container).")
@@ -185,19 +193,29 @@ def side_networks_note(engine: Engine) -> str | None:
               help="With --serve or --livekit: seconds SIGTERM's drain may take. The session "
                    "in progress goes on until shortly before, then ends cleanly, the ranks "
                    "stop and charrun exits 0; past it charrun gives up and exits 1 at once.")
+@click.option("--allow-host", "allow_hosts", multiple=True,
+              help="With --serve or --livekit: a host name the ports answer to besides IP "
+                   "addresses and localhost (the name users open the page by, behind a "
+                   "proxy); '*' for any. Requests naming another host are refused (DNS "
+                   "rebinding).")
+@click.option("--allow-origin", "allow_origins", multiple=True,
+              help="With --serve: an origin (https://chars.example.com) whose pages may start "
+                   "and control sessions besides the page's own, e.g. your own front end.")
 @click.option("--check", is_flag=True,
               help="Load the engine and get ready (kernels loaded, warm-up, step graphs "
                    "captured), report what it took and how many kernels had to be compiled, "
                    "and exit.")
 def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serve, host, port,
-         ice_servers, slack, livekit, agent_name, health_port, grace_period, check):
+         ice_servers, slack, livekit, agent_name, health_port, grace_period, allow_hosts,
+         allow_origins, check):
     """Render a talking character (the image animated to the speech, H.264 + AAC MP4), or
     with --serve stream one over WebRTC to a local page."""
     return run(RunConfig(engine_dir, image=image, fit=fit, background=background,
                          audio=audio_path, out=out, prompt=prompt, seed=seed, serve=serve,
                          host=host, port=port, ice_servers=ice_servers, slack=slack,
                          livekit=livekit, agent_name=agent_name, check=check,
-                         health_port=health_port, grace_period=grace_period))
+                         health_port=health_port, grace_period=grace_period,
+                         allow_hosts=allow_hosts, allow_origins=allow_origins))
 
 
 def run(cfg: RunConfig):
@@ -209,10 +227,11 @@ def run(cfg: RunConfig):
         return ready_check(cfg)
     image_fit = image_fit_of(cfg)
     if cfg.mode in ("serve", "livekit"):
+        access = access_of(cfg)
         if cfg.serve:
             check_port(cfg.host, cfg.port)
         readahead_in_background(cfg.engine_dir)
-        return serve_live(cfg, image_fit)
+        return serve_live(cfg, image_fit, access)
     from .media import MediaError, check_video_out
 
     if not (cfg.image and cfg.audio and cfg.out):
@@ -225,6 +244,14 @@ def run(cfg: RunConfig):
     render_file(cfg, image_fit)
 
 
+def access_of(cfg: RunConfig) -> Access:
+    """--allow-host and --allow-origin, checked (one line for one that does not parse)."""
+    try:
+        return Access(cfg.allow_hosts, cfg.allow_origins)
+    except AccessError as e:
+        raise click.UsageError(str(e)) from None
+
+
 def image_fit_of(cfg: RunConfig) -> ImageFit:
     from .formats import MediaError
 
@@ -234,7 +261,7 @@ def image_fit_of(cfg: RunConfig) -> ImageFit:
         raise click.BadParameter(str(e), param_hint="--background") from None
 
 
-def serve_live(cfg: RunConfig, image_fit: ImageFit):
+def serve_live(cfg: RunConfig, image_fit: ImageFit, access: Access):
     """--serve or --livekit: one engine, one session at a time, until SIGINT or SIGTERM. The
     probe server answers from before the engine loads (/readyz: loading, then ready once a
     session can start); SIGTERM drains within --grace-period (runtime/lifecycle.py), then
@@ -255,17 +282,19 @@ def serve_live(cfg: RunConfig, image_fit: ImageFit):
     readiness = Readiness()
     try:
         with signals_held():  # the probe server's threads never take SIGINT or SIGTERM
-            probes = ProbeServer(readiness, cfg.host, cfg.health_port).start()
+            probes = ProbeServer(readiness, cfg.host, cfg.health_port, access=access).start()
     except ProbeError as e:
         raise click.ClickException(str(e)) from None
     print(f"charrun: probes on {probes.url}/healthz, /readyz and /metrics", flush=True)
     try:
-        return _serve_engine(cfg, image_fit, readiness, probes, Drain(cfg.grace_period))
+        return _serve_engine(cfg, image_fit, readiness, probes, Drain(cfg.grace_period),
+                             access)
     finally:
         probes.stop()
 
 
-def _serve_engine(cfg: RunConfig, image_fit: ImageFit, readiness, probes, drain):
+def _serve_engine(cfg: RunConfig, image_fit: ImageFit, readiness, probes, drain,
+                  access: Access):
     """serve_live's engine: loaded (SIGTERM meanwhile stops at once, exit 0), then the mode,
     then its ranks stopped."""
     from .lifecycle import signals_held
@@ -311,7 +340,8 @@ def _serve_engine(cfg: RunConfig, image_fit: ImageFit, readiness, probes, drain)
         readiness.loading("starting the page")
         try:
             return run_server(worker, cfg.host, cfg.port, list(cfg.ice_servers), cfg.slack,
-                              image_fit, readiness=readiness, metrics=metrics, drain=drain)
+                              image_fit, readiness=readiness, metrics=metrics, drain=drain,
+                              access=access)
         except ServeError as e:
             raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:  # a signal before the mode took over its handling
@@ -381,7 +411,10 @@ def open_render(cfg: RunConfig, image_fit: ImageFit, stop: Stop):
 
 
 def holds(cfg: RunConfig, result) -> str:
-    """What the render's output holds so far, for the line that ends it."""
+    """What the render's output holds, as the file on disk is, for the line that ends it."""
+    if result.error is not None:
+        return (f"{cfg.out} could not be written ({result.error}): free space there and run "
+                "again; a file that was there before is as it was")
     if not result.written:
         return f"{cfg.out} was not written (no frames were made)"
     return f"{cfg.out} holds {result.frames} frames"
@@ -409,9 +442,14 @@ def render_file(cfg: RunConfig, image_fit: ImageFit) -> None:
         sys.exit(stop.exit_code)
     except Exception as e:  # noqa: BLE001 - one line, and the MP4 so far is kept
         worker.close()
+        if result.error is not None:  # the file, not the session, failed
+            raise click.ClickException(f"stopped after {result.steps} steps: "
+                                       f"{holds(cfg, result)}") from None
         raise click.ClickException(f"session failed after {result.steps} steps "
                                    f"({type(e).__name__}: {e}); {holds(cfg, result)}") from None
     worker.close()
+    if not result.written:  # the file could not be finished (its last write found no room)
+        raise click.ClickException(holds(cfg, result))
     wall = time.perf_counter() - progress.t0
     err.print(summary_table(result.times, result.steps, result.frames, wall, spec.fps))
     click.echo(f"wrote {cfg.out}: {result.frames} frames at {spec.fps} fps with audio")

@@ -15,6 +15,7 @@ afresh while the worker is idle, so it reads ready again, or failed where they c
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -25,15 +26,19 @@ from contextlib import contextmanager
 
 from .probes import Readiness
 
+log = logging.getLogger("charengine.worker")
+
 GRACE_PERIOD_S = 30.0  # --grace-period's default (Kubernetes' terminationGracePeriodSeconds)
 END_RESERVE_S = 5.0  # of the grace period, kept for ending the session and stopping the ranks
 DRAIN_POLL_S = 0.1  # how often the drain looks whether the session in progress has ended
 GIVE_UP_EXIT = 1
-RANK_POLL_S = 1.0  # how often an idle TP worker's ranks are looked at
+RANK_POLL_S = 0.1  # how often an idle TP worker's ranks are looked at
 RANK_RETRY_S = 10.0  # after ranks that could not start, the wait before the next try
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# what stops a render or a server: Ctrl-C, `docker stop` and `timeout`, a closed terminal
+# (SIGHUP: as SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextmanager
@@ -121,12 +126,13 @@ async def keep_ranks(worker, readiness: Readiness, lock: asyncio.Lock, busy: Cal
             continue
         if worker.alive():
             if failed:  # a session started them meanwhile
-                readiness.ready()
+                readiness.ready(healthy=worker.alive)
                 failed = False
             continue
         async with lock:
             if drain.begun or busy() or worker.alive():
                 continue
+            log.warning("%s; starting the TP ranks afresh", worker.deaths())
             readiness.loading("starting the TP ranks afresh (a rank died)")
             start = loop.run_in_executor(None, worker.ensure_ranks)
             try:
@@ -138,5 +144,6 @@ async def keep_ranks(worker, readiness: Readiness, lock: asyncio.Lock, busy: Cal
                 readiness.failed(f"{e}; trying again in {RANK_RETRY_S:g} s")
                 failed = True
                 continue
-            readiness.ready()
+            readiness.ready(healthy=worker.alive)
+            log.info("the TP ranks are running again")
             failed = False

@@ -28,10 +28,12 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import os
 import signal
 import threading
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import av
 import numpy as np
@@ -45,7 +47,7 @@ from livekit.agents.voice.avatar import (AudioSegmentEnd, AvatarOptions, AvatarR
 
 from .formats import ImageFit
 from .images import read_image
-from .lifecycle import Drain, keep_ranks
+from .lifecycle import STOP_SIGNALS, Drain, keep_ranks
 from .live import LiveSession
 from .metrics import Metrics
 from .pacer import Step
@@ -59,6 +61,8 @@ LOAD_THRESHOLD = 0.5  # the load (1.0 in a job, else 0.0) above which LiveKit se
 NOTIFY_FLUSH_S = 0.2  # lets the agent's interrupted-playback message leave before the avatar
 CLAIM_TIMEOUT_S = 15.0  # an accepted job LiveKit never assigned frees the worker after this
 CONNECTION_POLL_S = 0.25  # how often the LiveKit connection's state is read for /readyz
+REACH_POLL_S = 2.0  # how often the LiveKit server is tried with a TCP connection of its own
+REACH_TIMEOUT_S = 2.0  # how long that connection may take to open
 
 
 class LiveKitSetupError(RuntimeError):
@@ -339,20 +343,51 @@ def connecting(server: AgentServer) -> bool:
     return bool(server._connecting)
 
 
+async def unreachable(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
+    """Why a TCP connection to the LiveKit server at `url` does not open within timeout_s
+    (None where it opens)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme in ("wss", "https") else 80)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port),
+                                           timeout_s)
+    except (OSError, asyncio.TimeoutError) as e:
+        return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or \
+            f"no answer within {timeout_s:g} s"
+    writer.close()
+    return None
+
+
 async def watch_connection(server: AgentServer, readiness: Readiness, registered: asyncio.Event,
                            drain: Drain) -> None:
-    """While the worker runs: once LiveKit has registered it (`registered`, set on each
-    registration), a dropped connection reads loading on /readyz (LiveKit can send no job
-    meanwhile) until the next registration reads ready again."""
+    """While the worker runs, once LiveKit has registered it: a dropped connection (the
+    worker reconnecting) or a LiveKit server that no longer accepts connections (looked at
+    every REACH_POLL_S: a server gone without closing the connection goes unnoticed by the
+    WebSocket's heartbeat for up to a minute) reads loading on /readyz, saying why (LiveKit
+    can send no job meanwhile), and ready again once the connection is back."""
+    url = os.environ["LIVEKIT_URL"]
+    await registered.wait()
+    down, probed, away = None, -math.inf, None
     while not drain.begun:
-        await registered.wait()
         await asyncio.sleep(CONNECTION_POLL_S)
-        if registered.is_set() and connecting(server) and not drain.begun:
-            registered.clear()
-            why = (f"the connection to the LiveKit server at {os.environ['LIVEKIT_URL']} "
-                   "dropped: reconnecting")
+        if drain.begun:
+            return
+        loop_now = asyncio.get_running_loop().time()
+        if loop_now - probed >= REACH_POLL_S:
+            probed, away = loop_now, await unreachable(url)
+        if connecting(server):
+            why = f"the connection to the LiveKit server at {url} dropped: reconnecting"
+        elif away is not None:
+            why = f"the LiveKit server at {url} cannot be reached ({away})"
+        else:
+            why = None
+        if why is not None and down is None and not drain.begun:
             log.warning(why)
             readiness.loading(why)
+        elif why is None and down is not None and not drain.begun:
+            log.info("the LiveKit server at %s is reachable and the worker registered", url)
+            readiness.ready()
+        down = why
 
 
 async def _worker_main(jobs: AvatarJobs, opts: WorkerOptions, readiness: Readiness,
@@ -376,12 +411,12 @@ async def _worker_main(jobs: AvatarJobs, opts: WorkerOptions, readiness: Readine
                 if jobs.busy() and left > 0 else ""))
         wake.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     registered = asyncio.Event()
 
     def on_registered(*_) -> None:
-        readiness.ready(jobs.busy)
+        readiness.ready(jobs.busy, healthy=getattr(jobs.worker, "alive", None))
         registered.set()
 
     server.on("worker_registered", on_registered)

@@ -203,17 +203,25 @@ def test_serve_probes_through_a_start_a_session_and_a_sigterm_that_drains_it(eng
 
 
 def test_a_tp_rank_that_dies_while_idle_is_started_afresh_and_the_worker_reads_ready(engines):
+    """A rank killed while idle: from the moment its process has exited, /readyz reads
+    loading and an offer is refused with 503 (none reaches the dead group); the log names the
+    rank; the ranks are started afresh and the worker reads ready again."""
     port = free_port()
     c = Charrun("--engine", str(engines["tp2"]), "--serve", "--port", str(port))
     try:
         c.watch_start()
         old = rank_processes(c.p.pid)
         old[-1].kill()
-        seen = c.watch_start(until="loading", timeout=30)
-        assert "a rank died" in seen[-1][3]["detail"], seen[-1]
-        seen = c.watch_start(until="ready", timeout=60)
+        old[-1].wait(10)  # reaped by charrun or not, the process has exited
+        status, body = c.probe("/readyz")
+        assert status == 503 and body["state"] == "loading", body
+        assert "rank" in body["detail"], body
+        status, said = http(f"http://127.0.0.1:{port}/offer", aiortc_offer())
+        assert status in (503, 409), said  # 409: the restart holds the slot
+        c.watch_start(until="ready", timeout=60)
         new = rank_processes(c.p.pid)
         assert len(new) == 2 and not {p.pid for p in new} & {p.pid for p in old}
+        assert "died (exit -9); starting the TP ranks afresh" in c.output, c.output
         assert c.sigterm()[0] == 0, c.output
         assert "Traceback" not in c.output, c.output
     finally:
@@ -361,7 +369,16 @@ class LiveKitWorkerService:
         app.router.add_get("/rtc", self._room)
         self.runner = self.web.AppRunner(app)
         await self.runner.setup()
-        await self.web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        await self.listen()
+
+    async def listen(self):
+        self.site = self.web.TCPSite(self.runner, "127.0.0.1", self.port)
+        await self.site.start()
+
+    async def vanish(self):
+        """The service stops accepting connections while the worker's stays open, silent:
+        as a server that is gone without closing it (a host that died, a network cut)."""
+        await self.site.stop()
 
     async def stop(self):
         await self.runner.cleanup()
@@ -502,6 +519,30 @@ def test_a_dropped_livekit_connection_reads_loading_until_the_worker_registers_a
     assert down[-1][2] == 503 and "dropped: reconnecting" in down[-1][3]["detail"], down
     assert still[0] == 503 and still[1]["state"] == "loading", still  # not ready while down
     assert back[-1][2] == 200 and len(lk.registrations) == 2, (back, lk.registrations)
+    assert code == 0 and "Traceback" not in c.output, c.output
+
+
+def test_a_livekit_server_gone_without_closing_the_connection_reads_loading(engines):
+    """The service stops answering new connections while the worker's WebSocket stays open
+    (nothing tells the worker; its heartbeat would notice in a minute): /readyz reads
+    loading, naming the server that cannot be reached, and ready once it is back."""
+    pytest.importorskip("livekit.agents")
+
+    async def scenario():
+        async with livekit_charrun(engines["tiny"]) as (lk, c):
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, c.watch_start)
+            await lk.vanish()
+            down = await loop.run_in_executor(None, lambda: c.watch_start(until="loading",
+                                                                          timeout=60))
+            await lk.listen()
+            back = await loop.run_in_executor(None, lambda: c.watch_start(timeout=60))
+            code, _ = await loop.run_in_executor(None, c.sigterm)
+            return down, back, code, lk, c
+
+    down, back, code, lk, c = asyncio.run(scenario())
+    assert down[-1][2] == 503 and "cannot be reached" in down[-1][3]["detail"], down[-1]
+    assert back[-1][2] == 200 and len(lk.registrations) == 1, (back[-1], lk.registrations)
     assert code == 0 and "Traceback" not in c.output, c.output
 
 
