@@ -70,6 +70,16 @@ class Target:
                        host_process=self.tp > 1 or self.rank_processes)
 
     def config(self, preset_name: str | None = None) -> EngineConfig:
+        """The engine config of this target with its preset or `preset_name` (a preset of
+        the target's family: its switches are that family's; ValueError, one line, else)."""
+        if preset_name is not None and preset_name != self.preset:
+            from .family import preset_spec
+
+            theirs, ours = preset_spec(preset_name).FAMILY, preset_spec(self.preset).FAMILY
+            if theirs != ours:
+                raise ValueError(f"--preset {preset_name} is a {theirs} model and target "
+                                 f"{self.name} serves the {ours} family; choose a {theirs} "
+                                 "target, or a preset of its family")
         return preset(preset_name or self.preset, switches=self.switches,
                       numerics=self.numerics, tp=self.tp)
 

@@ -4,6 +4,7 @@ anything heavy happens. Every problem is one EngineError line naming what to do.
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -115,6 +116,18 @@ def verify(path: Path, names: list[str], files: dict) -> None:
                               "was changed after the build; rebuild the engine")
 
 
+def _check_readable(engine: Path, f: Path) -> None:
+    """Refuse, in one line, an engine file (or directory) this process may not read: say
+    which, as whom, and what to do (charbuild writes an engine readable by all, so that a
+    container running as another user can read it: runtime/engine.py's callers mount it)."""
+    want = os.R_OK | (os.X_OK if f.is_dir() else 0)
+    if os.access(f, want):
+        return
+    what = "the engine directory" if f == engine else f"engine file {f.relative_to(engine)}"
+    raise EngineError(f"{engine}: cannot read {what} (permission denied for uid {os.getuid()}); "
+                      f"make the engine readable (chmod -R a+rX {engine}) or run as its owner")
+
+
 @dataclass
 class Engine:
     path: Path
@@ -136,15 +149,19 @@ class Engine:
         raises their error."""
         path = Path(path)
         mpath = path / MANIFEST
+        if path.is_dir():
+            _check_readable(path, path)
         if not mpath.is_file():
             raise EngineError(f"{path}: not an engine directory (no {MANIFEST}); build one with "
                               "charbuild")
+        _check_readable(path, mpath)
         try:
             manifest = json.loads(mpath.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise EngineError(f"{mpath}: unreadable manifest ({e}); rebuild the engine") from None
         version = manifest.get("format_version") if isinstance(manifest, dict) else None
-        if isinstance(manifest, dict) and version != FORMAT_VERSION:
+        if isinstance(manifest, dict) and isinstance(version, int) and \
+                not isinstance(version, bool) and version != FORMAT_VERSION:
             raise EngineError(f"{path}: engine format {version}, this charrun reads format "
                               f"{FORMAT_VERSION}; rebuild it with this version's charbuild")
         check_manifest(mpath, manifest)
@@ -177,6 +194,7 @@ class Engine:
                 raise EngineError(f"{path}: engine file {name} is missing; rebuild the engine")
             if name not in files:
                 raise EngineError(f"{path}: the manifest lists no checksum for {name}; rebuild")
+            _check_readable(path, f)
         loaded = {rank_file(r) for r in (want if ranks is not None or config.tp == 1 else [])}
         names = [n for n in sorted(files) if not n.startswith("rank") or n in loaded]
         if not verify_in_background:

@@ -274,6 +274,26 @@ def test_load_vae_refuses_objects_without_running_them(tmp_path):
     assert str(path) in msg and "refused" in msg and "_record" in msg
 
 
+class Shell:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo unpickled",))
+
+
+def test_a_vae_that_pickles_a_blocked_module_is_refused_naming_it_and_no_advice(tmp_path):
+    """torch words a refused global of a blocked module (os.system) otherwise than one it
+    could import; both are named, and torch's advice to load with weights_only=False (which
+    would run it) never reaches the line."""
+    path = tmp_path / "vae.pth"
+    torch.save({"conv2.weight": torch.zeros(16, 16, 1, 1, 1), "extra": Shell()}, path)
+    with pytest.raises(CheckpointError) as e:
+        load_vae(path, TINY)
+    msg = one_line(e)
+    assert "refused: it pickles" in msg and "system" in msg, msg
+    assert "weights_only" not in msg and "Re-running" not in msg, msg
+
+
 def test_load_vae_bad_files(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_vae(tmp_path / "absent.pth", TINY)

@@ -129,6 +129,10 @@ def load_side_files(spec: LiveTalkSpec, vae: Path | None, wav2vec: Path | None,
         state |= {f"audio_encoder.{k}": v for k, v in enc.state_dict().items()}
     if prompt_features is not None and text_encoder is not None:
         raise CheckpointError("give the prompt as features or through a text encoder, not both")
+    if prompt and text_encoder is None:
+        raise CheckpointError("--prompt is encoded at build by --text-encoder DIR (a umT5 "
+                              "encoder), which was not given; give it, or the prompt's features "
+                              "with --prompt-features")
     if prompt_features is not None:
         from .text import load_prompt_embeddings
 

@@ -167,15 +167,26 @@ def load_vae(path: str | Path, spec: VaeSpec = WAN21) -> dict[str, torch.Tensor]
     return state
 
 
+# how torch names the global a weights_only load refused, across its versions' wordings
+REFUSED_GLOBAL = re.compile(r"(?:unsupported global: GLOBAL|load unsupported GLOBAL)\s+(\S+)",
+                            re.IGNORECASE)
+
+
 def _load_failure(e: Exception) -> str:
-    """One line for a torch.load(weights_only=True) failure."""
+    """One line for a torch.load(weights_only=True) failure. Never torch's own advice, which
+    is to load the file again with weights_only=False (that would run what it pickles)."""
     text = str(e)
-    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    found = REFUSED_GLOBAL.search(text)
     if found:
         return (f"refused: it pickles {found.group(1)}, not a tensor (nothing but tensors is "
                 f"ever unpickled; {WHAT} is a flat dict of tensors)")
     detail = re.search(r"WeightsUnpickler error: \s*(.+)", text)
-    line = detail.group(1) if detail else (text.strip().splitlines() or [""])[0]
+    if detail is None and isinstance(e, pickle.UnpicklingError) and "weights_only" in text:
+        return (f"refused: it holds something other than tensors (nothing but tensors is ever "
+                f"unpickled; {WHAT} is a flat dict of tensors)")
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip() and "weights_only" not in ln]
+    line = detail.group(1) if detail else (lines or [""])[0]
     return f"not a readable torch file ({type(e).__name__}{': ' + line.strip() if line else ''})"
 
 
