@@ -45,7 +45,8 @@ class Pacer:
                  fps: float = 24.0, frames_per_step: int = 4, slack: int = 2,
                  clock: Callable[[], float] = time.monotonic, on_frame=None, on_step_done=None):
         """publish(frame [3, H, W], audio [samples], t, voiced) is called at each frame's time
-        t on `clock`. on_frame(t, slot) (optional) sees each frame's time and its slot;
+        t on `clock`, never after a flush() has returned for a frame taken before it (the
+        frame's publish and the flush exclude each other). on_frame(t, slot) (optional) sees each frame's time and its slot;
         on_step_done(step) (optional) runs after the last frame of each step or piece pushed
         (not after a flush)."""
         if slack < 1:
@@ -141,8 +142,11 @@ class Pacer:
                 slot = begin + j / self.fps
                 if not self._sleep_until(slot, epoch):
                     break
-                t = self.clock()
-                self.publish(step.frames[j], audio[j], t, step.voiced)
+                with self.cv:  # a flush now waits for this frame, then nothing more plays
+                    if self.epoch != epoch:
+                        break
+                    t = self.clock()
+                    self.publish(step.frames[j], audio[j], t, step.voiced)
                 if self.on_frame is not None:
                     self.on_frame(t, slot)
             else:

@@ -94,6 +94,34 @@ def test_flush_drops_frames_not_yet_played():
     assert max(t for t, _ in out) <= t_flush
 
 
+def test_a_frame_being_published_finishes_before_a_flush_returns_and_none_follows_it():
+    """A barge-in's flush and a frame's publish exclude each other: what the caller does
+    after flush() returns (a session reads "interrupted") comes after every frame of the
+    steps it dropped (the flush may wait for the frames already due), so no voiced frame can
+    say "speaking" after it."""
+    events, publishing, release = [], threading.Event(), threading.Event()
+
+    def publish(f, a, t, v):
+        events.append("frame")
+        if not publishing.is_set():
+            publishing.set()
+            release.wait(10)  # the first frame's publish is slow
+
+    pacer = Pacer(publish, slack=3)
+    steps = _steps(3, voiced=True)
+    threading.Thread(target=lambda: [pacer.push(s) for s in steps], daemon=True).start()
+    assert publishing.wait(10)
+    flushed = threading.Thread(target=lambda: (pacer.flush(), events.append("flushed")))
+    flushed.start()
+    flushed.join(0.2)
+    assert flushed.is_alive() and events == ["frame"]  # the flush waits for the frame
+    release.set()
+    flushed.join(10)
+    time.sleep(0.2)  # frames a flush let through would be published in this time
+    pacer.close()
+    assert events[-1] == "flushed" and set(events[:-1]) == {"frame"}, events
+
+
 def test_pieces_of_a_step_play_back_to_back_and_backpressure_counts_frames():
     # steps of 12 frames pushed in pieces of 4 (a live session's latents as they are decoded)
     out = []
