@@ -1,8 +1,12 @@
-"""Timing for the benchmarks: milliseconds of a block or a call, on the GPU by a pair of CUDA
-events, on the CPU (or as wall time) by perf_counter.
+"""Timing for charrun's figures and the benchmarks: the time of a block, a call or a span
+of queued work, on the GPU by a pair of CUDA events, on the CPU (or as wall time) by
+perf_counter.
 
     median(xs) -> float                 the median of the values (statistics.median)
     Span(device=None, wall=False)       a `with` block's milliseconds, read as `.ms` after it
+    DeviceSpan(device=None)             the work queued until .end(), its device time read
+                                        later without waiting (.seconds()): what charrun's
+                                        figures use
     Mark(fn, device=None)               fn() run and its start and end recorded without waiting
                                         for the device (a step loop stays asynchronous); read
                                         `.ms` and `.since(earlier)` once the device is synced
@@ -100,6 +104,44 @@ class Mark:
         """Milliseconds from `earlier`'s end to this one's (a step period)."""
         return earlier.end.elapsed_time(self.end) if self.events \
             else 1e3 * (self.end - earlier.end)
+
+
+class DeviceSpan:
+    """The work queued on a device between creation and end(), timed without waiting for it:
+    on a CUDA device a pair of timing events recorded on the current stream (the GPU's time
+    from the first to the last of that work, not the host's time to launch it), elsewhere
+    perf_counter (the host's time, which on a CPU is the work's). `seconds()` reads it once the
+    work is done (None before; wait=True waits for it); `done` is the end event to make
+    another stream wait on (None off CUDA). What charrun's figures are made of: a step's
+    diffusion, decode and audio encoding each report the device time of their own work."""
+
+    def __init__(self, device=None):
+        self.cuda = _device(device).type == "cuda"
+        self.done = None
+        self._seconds: float | None = None
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def end(self) -> "DeviceSpan":
+        if self.cuda:
+            self.done = torch.cuda.Event(enable_timing=True)
+            self.done.record()
+        else:
+            self._seconds = time.perf_counter() - self.t0
+        return self
+
+    def seconds(self, wait: bool = False) -> float | None:
+        """The span's seconds; None while its work is still running (unless `wait`)."""
+        if self._seconds is None and self.done is not None:
+            if wait:
+                self.done.synchronize()
+            elif not self.done.query():
+                return None
+            self._seconds = self.start.elapsed_time(self.done) / 1e3
+        return self._seconds
 
 
 def _time_ms(fn, reps: int, warmup: int, device, wall: bool) -> list[float]:

@@ -7,7 +7,9 @@ Per step i, rank 0 encodes audio i and broadcasts it, then receives latent i-1 f
 and decodes it while the TP group denoises step i. The TP group sends latent i without
 waiting (isend) and joins the next broadcast, so every hand-off holds one item: depth-one
 queues with backpressure. Each rank records when it starts and ends its work per step
-(time.monotonic is one clock for all processes of a machine).
+(time.monotonic is one clock for all processes of a machine) and the step's device time (a
+DeviceSpan: GPU time on a GPU), which goes to rank 0 with a live step's latent, or with a
+render's times at its end.
 
 On GPUs each TP rank runs on its target device, its all-reduce is NCCL (or, at the steady
 shape, the fused GEMM + all-reduce over symmetric memory), and it loads its engine's
@@ -40,9 +42,10 @@ import torch.distributed as dist
 
 from charengine.family import family_of
 from charengine.mapping import Mapping
+from charengine.timing import DeviceSpan
 
 from .engine import Engine
-from .pipeline import Pipeline, StepTimes
+from .pipeline import Pipeline, StepTimes, Timed
 from .worker import load_rank
 
 CMD_STEPS, CMD_STOP, CMD_STREAM = 1, 2, 3
@@ -167,7 +170,7 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                 dist.broadcast(prompt, 0)
                 session.start(ref.to(device), prompt.to(device))
                 g = torch.Generator().manual_seed(seed)  # the same noise on every rank
-                pending = None
+                pending = []
                 times.clear()
                 i = 0
                 while cmd[0] == CMD_STEPS and i < steps or cmd[0] == CMD_STREAM:
@@ -179,18 +182,24 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                     feats = torch.empty(shapes.features)
                     dist.broadcast(feats, 0)
                     t0 = time.monotonic()
-                    latent = session.step(torch.randn(shapes.noise_shape, generator=g).to(device),
-                                          feats.to(device)).cpu()
-                    times.append((t0, time.monotonic()))
+                    noise = torch.randn(shapes.noise_shape, generator=g).to(device)
+                    span = DeviceSpan(device)
+                    latent = session.step(noise, feats.to(device))
+                    span.end()
+                    latent = latent.cpu()  # waits for the step: its span is read at once
+                    busy = torch.tensor([span.seconds(wait=True)], dtype=torch.float64)
+                    times.append((t0, time.monotonic(), float(busy)))
                     if rank == 0:
-                        if pending is not None:
-                            pending.wait()
-                        pending = dist.isend(latent.contiguous(), 0)
+                        for work in pending:
+                            work.wait()
+                        pending = [dist.isend(latent.contiguous(), 0)]
+                        if cmd[0] == CMD_STREAM:  # a live step's device time rides with it
+                            pending.append(dist.isend(busy, 0))
                     i += 1
-                if pending is not None:
-                    pending.wait()
+                for work in pending:
+                    work.wait()
                 if rank == 0 and cmd[0] == CMD_STEPS:
-                    dist.send(torch.tensor(times, dtype=torch.float64).reshape(-1, 2), 0)
+                    dist.send(torch.tensor(times, dtype=torch.float64).reshape(-1, 3), 0)
         if kernels is not None:
             kernels.close()
         dist.destroy_process_group()
@@ -363,6 +372,15 @@ class DistributedWorker:
         """Every rank process is running (a rank that died while idle is found here)."""
         return self.ctx is not None and not self.ctx.dead()
 
+    def deaths(self) -> str:
+        """Which rank processes have exited, and how, for the log ("rank 2 died (exit -9)")."""
+        if self.ctx is None:
+            return "the ranks are stopped"
+        dead = self.ctx.dead()
+        codes = ", ".join(str(self.ctx.processes[self.ctx.global_ranks.index(r)].exitcode)
+                          for r in dead)
+        return f"rank {', '.join(map(str, dead))} died (exit {codes})"
+
     def ensure_ranks(self) -> None:
         """Before a session: a fresh group where the last one ended in a fault or a rank
         died while idle."""
@@ -390,9 +408,13 @@ class DistributedWorker:
             self._remove_log_dir()
 
     # ---- sessions -------------------------------------------------------------------
-    def on_side_stream(self, fn, *inputs):
-        """As Worker's: here the side networks have the host process's device to themselves."""
-        return fn(*inputs)
+    def on_side_stream(self, fn, *inputs, timed: bool = False):
+        """As Worker's: here the side networks have the host process's device to
+        themselves, so fn runs on its current stream (`timed`: as Timed, with fn's device
+        time)."""
+        span = DeviceSpan(self.decoder_device)
+        out = fn(*inputs)
+        return Timed(out, span.end()) if timed else out
 
     @torch.inference_mode()
     def start(self, image: torch.Tensor, prompt: str) -> None:
@@ -419,22 +441,29 @@ class DistributedWorker:
             for i in range(steps + 1):
                 if i < steps:
                     t0 = time.monotonic()
-                    window = self.family.audio_window(spec, speech, i).to(self.decoder_device)
-                    feats = self.family.encode_audio(self.side, spec, window, i).cpu().contiguous()
+                    window = self.family.audio_window(spec, speech, i)
+                    feats = self.on_side_stream(lambda x: self.family.encode_audio(
+                        self.side, spec, x.to(self.decoder_device), i).cpu().contiguous(),
+                        window, timed=True)
                     times.audio.append((t0, time.monotonic()))
-                    dist.broadcast(feats, 0)
+                    times.add_busy("audio", feats.span)
+                    dist.broadcast(feats.value, 0)
                 if i >= 1:
                     latent = torch.empty(lat)
                     dist.recv(latent, 1)
                     t0 = time.monotonic()
-                    frames = self.side.decoder(latent.to(self.decoder_device)).cpu()
+                    frames = self.on_side_stream(lambda x: self.side.decoder(
+                        x.to(self.decoder_device)).cpu(), latent, timed=True)
                     times.decode.append((t0, time.monotonic()))
+                    times.add_busy("decode", frames.span)
                     t0 = time.monotonic()
-                    sink(i - 1, frames)
+                    sink(i - 1, frames.value)
                     times.sink.append((t0, time.monotonic()))
-            diffusion = torch.empty(steps, 2, dtype=torch.float64)
+            diffusion = torch.empty(steps, 3, dtype=torch.float64)
             dist.recv(diffusion, 1)
-            times.diffusion = [tuple(r) for r in diffusion.tolist()]
+            for t0, t1, busy in diffusion.tolist():
+                times.diffusion.append((t0, t1))
+                times.add_busy("diffusion", busy)
         except RuntimeError as e:  # gloo errors and timeouts (DistBackendError included)
             raise self._failure(e) from None
         except BaseException as e:  # the sink failed or Ctrl-C: the group is mid-session
@@ -466,14 +495,18 @@ class RemotePipeline(Pipeline):
         dist.broadcast(feats.cpu().contiguous(), 0)
         latent = torch.empty(self.lat)
         dist.recv(latent, 1)
-        return latent
+        busy = torch.empty(1, dtype=torch.float64)  # the step's device time on the TP ranks
+        dist.recv(busy, 1)
+        return Timed(latent, float(busy))
 
-    def _decode(self, latent: torch.Tensor) -> torch.Tensor:
+    def _decode(self, item: Timed) -> Timed:
         """The step's frames; where the decoder streams, from its pieces' calls (the shapes
         the side networks' warm-up ran), as Worker.pipeline's render decodes them."""
-        w = self.worker
+        w, latent = self.worker, item.value
         pieces = w.family.decode_pieces(w.side, latent) or (latent,)
-        return torch.cat([w.side.decoder(p.to(w.decoder_device)).cpu() for p in pieces])
+        span = DeviceSpan(w.decoder_device)
+        frames = torch.cat([w.side.decoder(p.to(w.decoder_device)).cpu() for p in pieces])
+        return Timed(frames, span.end())
 
     def run(self, steps, sink) -> StepTimes:
         w = self.worker

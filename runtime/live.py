@@ -67,6 +67,7 @@ WAIT_POLL_S = 0.05  # a take waiting for its speech looks at its deadline at lea
 RESYNC_LEAD_FRAMES = 2.0
 RESYNC_KEEP_FRAMES = 1.0
 SILENCE_LEVEL = 1e-3  # samples at most this loud (about -60 dBFS) are silence that may be dropped
+MAX_QUEUED_SPEECH_S = 900.0  # speech waiting to play: an upload's most and five minutes more
 
 
 class SpeechBuffer:
@@ -228,6 +229,7 @@ class LiveSession:
         self.just_in_time, self.stream_decode = just_in_time, stream_decode
         self.metrics, self.seed, self.session_id = metrics, seed, session_id
         self.speech = SpeechBuffer()
+        self.overflowed = False  # say() has dropped speech past MAX_QUEUED_SPEECH_S
         self.family = worker.family
         self.history = torch.zeros(self.family.window_samples(self.spec))
         # speech taken but not yet played: a step's audio window reaches `lookahead` samples
@@ -281,6 +283,15 @@ class LiveSession:
         self.thread.start()
 
     def say(self, samples: torch.Tensor) -> None:
+        """Queue speech (16 kHz mono); past MAX_QUEUED_SPEECH_S waiting, the rest is dropped
+        (a client sending faster than it speaks), and the log says so once."""
+        room = int(MAX_QUEUED_SPEECH_S * self.spec.side.sample_rate) - self.speech.queued()
+        if samples.numel() > room:
+            if not self.overflowed:
+                log.warning("live session %s: more than %g s of speech queued; dropping what "
+                            "comes faster than it plays", self.session_id, MAX_QUEUED_SPEECH_S)
+            self.overflowed = True
+            samples = samples.flatten()[: max(0, room)]
         self.speech.push(samples)
 
     def end_turn(self) -> None:
@@ -390,7 +401,8 @@ class LiveSession:
             self.played = end
         self.history = torch.cat([self.history, heard])[-self.history.numel():]
         feats = self.worker.on_side_stream(lambda x: self.family.encode_audio(
-            self.worker.side, self.spec, x.to(self.worker.decoder_device), i), self.history)
+            self.worker.side, self.spec, x.to(self.worker.decoder_device), i), self.history,
+            timed=True)
         self.unplayed = torch.cat([self.unplayed, heard])
         chunk, self.unplayed = self.unplayed[: b - a], self.unplayed[b - a:]
         return feats, TakenSpeech(chunk, voiced, ended, epoch, arrivals, taken_t)
@@ -410,9 +422,9 @@ class LiveSession:
                 else:
                     self.processing.append((i, took))
             self.speech.wake()  # the next take's deadline moved
-            if self.metrics and len(self.pipeline.times.diffusion) > i:
-                t0, t1 = self.pipeline.times.diffusion[i]
-                self.metrics.step_done(t1 - t0, total)
+            busy = self.pipeline.times.busy_step_s("diffusion", i)
+            if self.metrics and busy is not None:  # done: the decoder waited for it
+                self.metrics.step_done(busy, total)
         if taken.epoch < self.epoch:
             return  # generated for speech a barge-in cancelled
         n = taken.chunk.numel()

@@ -5,7 +5,9 @@
     sink (caller's thread): take the frames of step i-2, write or play them
 
 Every queue holds one item, so a slow stage holds the others back (backpressure). Each stage
-records when it starts and ends each step; a failure in any stage stops all of them and is
+records when it starts and ends each step on the host, and the device time of its work where
+it reports one (a stage's output as `Timed`: on a GPU the work a stage launches outlives its
+call, so its host interval is not its time); a failure in any stage stops all of them and is
 raised in the caller's thread.
 
 A live session runs it in live mode (`live()`): the audio has a thread of its own, so a step
@@ -25,15 +27,63 @@ from typing import Callable, Iterator
 
 import torch
 
+from charengine.timing import DeviceSpan
+
+
+PARTS = ("audio", "diffusion", "decode")  # the stages whose device time is reported
+
+
+@dataclass
+class Timed:
+    """A stage's output with the device time of its work: a DeviceSpan (read when the work
+    is done) or seconds (measured elsewhere: a TP rank's). A stage may return one; the
+    pipeline records its time (StepTimes.busy) and hands the output on whole to the next
+    stage (a diffusion's to the decoder, which waits for the span's `done`)."""
+    value: object
+    span: DeviceSpan | float
+
 
 @dataclass
 class StepTimes:
+    """Per step, in order: each stage's host interval (start, end) on perf_counter, which
+    says when things happened and what overlapped (on a GPU a stage's host interval is its
+    launch, or its launch and a wait, not its work), and `busy`, each stage's device time as
+    its stage reported it (PARTS; a DeviceSpan until read), which says how long the work
+    took: the figures charrun reports (`busy_s`)."""
     audio: list[tuple[float, float]] = field(default_factory=list)
     diffusion: list[tuple[float, float]] = field(default_factory=list)
     decode: list[tuple[float, float]] = field(default_factory=list)
     sink: list[tuple[float, float]] = field(default_factory=list)
     # the decode's start and the end of its first piece (live mode; a render's is `decode`)
     first_piece: list[tuple[float, float]] = field(default_factory=list)
+    busy: dict[str, list] = field(default_factory=lambda: {p: [] for p in PARTS})
+
+    def add_busy(self, part: str, span) -> None:
+        self.busy[part].append(span)
+
+    def busy_step_s(self, part: str, i: int, wait: bool = False) -> float | None:
+        """Step i's device seconds in `part` (None where not reported, or still running and
+        not waited for)."""
+        spans = self.busy[part]
+        if i >= len(spans):
+            return None
+        x = spans[i]
+        return x.seconds(wait) if isinstance(x, DeviceSpan) else x
+
+    def busy_s(self, part: str) -> list[float]:
+        """Every step's device seconds in `part`, its work waited for (after a run); the
+        host intervals' lengths where the stage reported no device time."""
+        if not self.busy[part]:
+            return [e - s for s, e in getattr(self, part)]
+        return [self.busy_step_s(part, i, wait=True) for i in range(len(self.busy[part]))]
+
+
+def _unwrap(times: StepTimes, part: str, out):
+    """A stage's output with its device time recorded (where it reported one)."""
+    if isinstance(out, Timed):
+        times.add_busy(part, out.span)
+        return out.value
+    return out
 
 
 class Stopped(Exception):
@@ -124,7 +174,8 @@ class Pipeline:
                 self._encode(i)
             if i >= 1:
                 j, latent, meta = self._get(self.latent_q)
-                frames = self._timed(self.times.decode, self.decode, latent)
+                frames = _unwrap(self.times, "decode",
+                                 self._timed(self.times.decode, self.decode, latent))
                 self._put(self.frame_q, (j, frames, meta, True))
             i += 1
 
@@ -139,7 +190,11 @@ class Pipeline:
     def _encode(self, i: int) -> None:
         """Step i's audio features (and meta) onto the audio queue."""
         out = self._timed(self.times.audio, self.encode_audio, i)
-        self._put(self.audio_q, (i, out) if isinstance(out, tuple) else (i, (out, None)))
+        if isinstance(out, tuple):
+            out = (_unwrap(self.times, "audio", out[0]), out[1])
+        else:
+            out = (_unwrap(self.times, "audio", out), None)
+        self._put(self.audio_q, (i, out))
 
     def _decoder(self, steps: int | None) -> None:
         i = 0
@@ -147,11 +202,17 @@ class Pipeline:
             j, latent, meta = self._get(self.latent_q)
             t0 = time.perf_counter()
             pieces = self.decode_pieces(latent) if self.pieces else iter((self.decode(latent),))
+            busy = 0.0
             for k, frames in enumerate(pieces):
                 if k == 0:
                     self.times.first_piece.append((t0, time.perf_counter()))
+                if isinstance(frames, Timed):  # each piece's work is done when it is handed on
+                    busy += frames.span.seconds(wait=True) \
+                        if isinstance(frames.span, DeviceSpan) else frames.span
+                    frames = frames.value
                 self._put(self.frame_q, (j, frames, meta, False))
             self.times.decode.append((t0, time.perf_counter()))
+            self.times.add_busy("decode", busy)
             self._put(self.frame_q, (j, None, meta, True))  # the step's end
             i += 1
 
@@ -160,6 +221,8 @@ class Pipeline:
         while steps is None or i < steps:
             j, (feats, meta) = self._get(self.audio_q)
             latent = self._timed(self.times.diffusion, self.diffuse, j, feats)
+            if isinstance(latent, Timed):  # read once the decoder has waited for it
+                self.times.add_busy("diffusion", latent.span)
             self._put(self.latent_q, (j, latent, meta))
             i += 1
 

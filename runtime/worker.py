@@ -21,9 +21,10 @@ import torch
 from charengine.assemble import rank_session
 from charengine.family import family_of
 from charengine.mapping import Mapping
+from charengine.timing import DeviceSpan
 
 from .engine import Engine, EngineError
-from .pipeline import Pipeline, StepTimes
+from .pipeline import Pipeline, StepTimes, Timed
 
 
 @contextmanager
@@ -137,13 +138,16 @@ class Worker:
                         "warm_up_steps": steps, "processing_s": self.processing_s,
                         "parts": parts | side_parts}
 
-    def on_side_stream(self, fn, *inputs, after=None):
+    def on_side_stream(self, fn, *inputs, after=None, timed: bool = False):
         """fn(*inputs) on the side stream, after the event `after` (else, where an input is on
         the GPU, after the work queued so far on the current stream, which made it). The
         result is complete on return, and a GPU result is the current stream's own copy (the
-        side stream's memory may be reused at once)."""
+        side stream's memory may be reused at once). `timed`: the result as Timed, with the
+        device time of fn's work (pipeline.Timed)."""
         if self.side_stream is None:
-            return fn(*inputs)
+            span = DeviceSpan(self.decoder_device)
+            out = fn(*inputs)
+            return Timed(out, span.end()) if timed else out
         if after is not None:
             self.side_stream.wait_event(after)
         elif any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
@@ -152,9 +156,12 @@ class Worker:
             for x in inputs:
                 if isinstance(x, torch.Tensor) and x.is_cuda:
                     x.record_stream(self.side_stream)
+            span = DeviceSpan(self.decoder_device)  # begins once `after` has been waited for
             out = fn(*inputs)
+            span.end()
         self.side_stream.synchronize()
-        return out.clone() if isinstance(out, torch.Tensor) and out.is_cuda else out
+        out = out.clone() if isinstance(out, torch.Tensor) and out.is_cuda else out
+        return Timed(out, span) if timed else out
 
     @torch.inference_mode()
     def time_processing(self, seed: int = 0) -> float:
@@ -183,16 +190,19 @@ class Worker:
         self.side.decoder.reset()
         return took
 
-    def _encode_window(self, window: torch.Tensor, i: int) -> torch.Tensor:
-        """Step i's audio features from its encoder window, on the side stream."""
+    def _encode_window(self, window: torch.Tensor, i: int, timed: bool = False):
+        """Step i's audio features from its encoder window, on the side stream (`timed`: as
+        Timed, with the encoder's device time)."""
         return self.on_side_stream(lambda x: self.family.encode_audio(
-            self.side, self.spec, x.to(self.decoder_device), i), window)
+            self.side, self.spec, x.to(self.decoder_device), i), window, timed=timed)
 
-    def _decode(self, latent: torch.Tensor, after=None) -> torch.Tensor:
+    def _decode(self, latent: torch.Tensor, after=None, timed: bool = False):
         """The decoder's frames of `latent` on the host, decoded on the side stream after
-        the event `after` (on_side_stream)."""
+        the event `after` (on_side_stream; `timed`: as Timed, with the decoder's device
+        time)."""
         return self.on_side_stream(
-            lambda x: self.side.decoder(x.to(self.decoder_device)).cpu(), latent, after=after)
+            lambda x: self.side.decoder(x.to(self.decoder_device)).cpu(), latent, after=after,
+            timed=timed)
 
     @property
     def compiles(self) -> int:
@@ -223,12 +233,11 @@ class Worker:
 
         def diffuse(i, feats):
             noise = torch.randn(shape, generator=g).to(self.device)
+            span = DeviceSpan(self.device)
             latent = self.session.step(noise, feats.to(self.device))
-            if self.side_stream is None:
-                return latent, None
-            done = torch.cuda.Event()
-            done.record()  # the decoder waits for this step only, not for the next one's work
-            return latent, done
+            # the step's device time; the decoder waits for its end (span.done): this step
+            # only, not the next one's work
+            return Timed(latent, span.end())
 
         # a decoder that streams latent by latent (LiveTalk's) gives a live session each
         # latent's frames as they are decoded, and a render the frames of those same calls
@@ -238,16 +247,16 @@ class Worker:
         streams = self.family.decode_pieces(
             self.side, torch.empty(latent_shape, device="meta")) is not None
 
-        def decode_pieces(item):
-            latent, done = item
-            for part in self.family.decode_pieces(self.side, latent):
-                yield self._decode(part, after=done)
+        def decode_pieces(item: Timed):
+            for part in self.family.decode_pieces(self.side, item.value):
+                yield self._decode(part, after=item.span.done, timed=True)
 
-        def decode(item):
+        def decode(item: Timed):
             if streams:
-                return torch.cat(list(decode_pieces(item)))
-            latent, done = item
-            return self._decode(latent, after=done)
+                pieces = list(decode_pieces(item))
+                return Timed(torch.cat([p.value for p in pieces]),
+                             sum(p.span.seconds(wait=True) for p in pieces))
+            return self._decode(item.value, after=item.span.done, timed=True)
 
         return Pipeline(encode_audio, diffuse, decode,
                         decode_pieces=decode_pieces if streams else None)
@@ -257,6 +266,7 @@ class Worker:
         `sink(i, frames)`."""
         def encode_audio(i):
             # the window cut on the host: no wait
-            return self._encode_window(self.family.audio_window(self.spec, speech, i), i)
+            return self._encode_window(self.family.audio_window(self.spec, speech, i), i,
+                                       timed=True)
 
         return self.pipeline(encode_audio, seed).run(steps, sink)

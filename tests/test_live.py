@@ -69,6 +69,26 @@ def test_metrics_count_sessions_and_flag_slow_ones(caplog):
     assert "streamed below target" in caplog.text
 
 
+@pytest.mark.parametrize("fps,first_gap_s", [(16, 0.0), (24, 0.0), (16, 0.5), (24, 0.9)])
+def test_below_target_is_judged_against_the_engines_fps_over_the_steady_part(fps, first_gap_s):
+    """A session that plays at its engine's fps is not below target, whatever the fps (a
+    16-fps LiveTalk session at 16.00 fps included), nor for a slow first frame (its start)."""
+    m = Metrics(target_fps=fps)
+    m.session_started()
+    frames = [0.0] + [first_gap_s + k / fps for k in range(1, 5 * fps)]
+    for t in frames:
+        m.frame(t, t)
+    got = m.session_finished("s")
+    assert got == pytest.approx(fps, rel=1e-6)
+    assert "charengine_sessions_below_target_total 0.0" in m.exposition().decode()
+    slow = Metrics(target_fps=fps)
+    slow.session_started()
+    for k in range(5 * fps):
+        slow.frame(k / (0.95 * fps), k / (0.95 * fps))
+    assert slow.session_finished("s") < 0.98 * fps
+    assert "charengine_sessions_below_target_total 1.0" in slow.exposition().decode()
+
+
 class TakeTimes(SpeechBuffer):
     """A session's speech buffer that records when each step took its speech."""
 
