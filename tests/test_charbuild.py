@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -151,12 +150,75 @@ def test_a_checkpoint_without_side_networks_builds_only_when_asked_and_says_so(t
         in r.stderr
 
 
-def test_a_build_is_quick_to_refuse(tmp_path):
-    """The --out check comes before the weights are read."""
+def test_the_out_check_comes_before_the_weights_are_read(tmp_path):
     (tmp_path / "f").write_text("x")
-    t0 = time.monotonic()
-    one_line_error(charbuild("--out", tmp_path / "f"))
-    assert time.monotonic() - t0 < 30
+    line = one_line_error(charbuild("--out", tmp_path / "f", "--weights",
+                                    tmp_path / "absent.safetensors"))
+    assert line.startswith("Error: --out") and "absent" not in line, line
+
+
+def building(out):
+    """A charbuild of `out` that has read its weights and is writing into its staging."""
+    p = subprocess.Popen(CHARBUILD + ["--target", "cpu-tiny", "--out", str(out)],
+                         stderr=subprocess.PIPE, text=True)
+    for line in p.stderr:
+        if "rank 0:" in line:
+            return p
+    raise AssertionError(f"the build ended early: {p.wait()}")
+
+
+def test_a_second_build_to_the_same_out_is_refused_while_the_first_writes(tmp_path):
+    first = building(tmp_path / "eng")
+    first.send_signal(signal.SIGSTOP)  # held mid-build
+    try:
+        line = one_line_error(charbuild("--out", tmp_path / "eng"))
+        assert f"another charbuild is writing it (pid {first.pid})" in line, line
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert first.wait(120) == 0
+    assert (tmp_path / "eng" / "manifest.json").is_file()
+    assert [n for n in tree(tmp_path) if n.startswith(".")] == []
+
+
+def test_a_killed_builds_leftovers_are_removed_by_the_next_build(tmp_path):
+    p = building(tmp_path / "eng")
+    p.kill()
+    p.wait(30)
+    assert [n for n in tree(tmp_path) if n.startswith(".eng.")]  # what SIGKILL leaves
+    r = charbuild("--out", tmp_path / "eng")
+    assert r.returncode == 0, r.stderr
+    assert [n for n in tree(tmp_path) if "/" not in n] == ["eng"], tree(tmp_path)
+
+
+def test_a_build_that_finds_no_room_is_one_line_and_leaves_nothing(tmp_path):
+    import resource
+
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # noqa: E731
+    line = one_line_error(charbuild("--out", tmp_path / "eng", preexec_fn=limit))
+    assert "could not be written (a file-size limit" in line and "is as it was" in line, line
+    assert tree(tmp_path) == []
+
+
+def test_the_engine_is_readable_by_every_user(tmp_path):
+    import os
+    import stat
+
+    assert charbuild("--out", tmp_path / "eng").returncode == 0
+    for p in [tmp_path / "eng", *(tmp_path / "eng").rglob("*")]:
+        mode = stat.S_IMODE(os.stat(p).st_mode)
+        assert mode & 0o044 == 0o044 and (not p.is_dir() or mode & 0o011 == 0o011), (p, oct(mode))
+
+
+def test_a_preset_of_another_family_and_a_prompt_nothing_encodes_are_one_line(tmp_path):
+    line = one_line_error(charbuild("--preset", "tiny-livetalk", "--out", tmp_path / "a"))
+    assert "--preset tiny-livetalk is a livetalk model and target cpu-tiny serves the " \
+        "characters family" in line, line
+    r = subprocess.run(CHARBUILD + ["--target", "cpu-tiny-livetalk", "--prompt", "a guide",
+                                    "--out", str(tmp_path / "b")],
+                       capture_output=True, text=True, timeout=300)
+    line = one_line_error(r)
+    assert "--prompt is encoded at build by --text-encoder DIR" in line, line
+    assert tree(tmp_path) == []
 
 
 @pytest.mark.parametrize("name", ["blocks.0.adaln.weight", "decoder", "patch_embed.bias"])

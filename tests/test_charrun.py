@@ -225,3 +225,113 @@ def test_a_port_in_use_is_refused_before_serving(engine_dir):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in r.stderr
     assert "serving on" not in r.stdout
+
+
+# ---- what a user's machine does to a render -------------------------------------------------
+
+def _limit_file_size(nbytes: int):
+    """preexec_fn: files this process writes stop at `nbytes` (EFBIG past it), as on a full
+    disk: the MP4's writes fail where the engine's reads do not."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+
+def _one_error(r) -> str:
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1, r.stderr
+    return errors[0]
+
+
+def test_a_render_that_finds_no_room_says_so_and_leaves_the_old_file(engine_dir, tmp_path):
+    """A file-size limit (a full disk's EFBIG) mid-render: one line saying the output could
+    not be written, the file that was there before untouched, no hidden file left."""
+    out = tmp_path / "o.mp4"
+    out.write_bytes(b"the user's old video")
+    long = tmp_path / "long.wav"
+    write_wav(long, 30, 16000, 1)
+    r = run_charrun(engine_dir, long, out, preexec_fn=_limit_file_size(40_000))
+    line = _one_error(r)
+    assert "could not be written (File too large)" in line and "as it was" in line, line
+    assert "holds" not in line
+    assert out.read_bytes() == b"the user's old video"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long.wav", "o.mp4"]
+
+
+def test_a_killed_renders_hidden_file_is_removed_by_the_next_render(engine_dir, tmp_path):
+    long = tmp_path / "long.wav"
+    write_wav(long, 60, 16000, 1)
+    out = tmp_path / "o.mp4"
+    p = subprocess.Popen(CHARRUN + ["--engine", str(engine_dir), "--image", str(FACE), "--audio",
+                                    str(long), "--out", str(out)], stderr=subprocess.PIPE,
+                         text=True)
+    assert "first frames written" in p.stderr.readline() or \
+        any("first frames written" in ln for ln in iter(p.stderr.readline, ""))
+    p.kill()
+    p.wait(30)
+    left = [q.name for q in tmp_path.iterdir() if q.name.startswith(".o.writing-")]
+    assert left and not out.exists()  # what SIGKILL leaves
+    r = run_charrun(engine_dir, SPEECH, out)
+    assert r.returncode == 0, r.stderr
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["long.wav", "o.mp4"]
+
+
+def test_sighup_keeps_what_was_made_as_sigterm_does(engine_dir, tmp_path):
+    long = tmp_path / "long.wav"
+    write_wav(long, 60, 16000, 1)
+    out = tmp_path / "o.mp4"
+    p = subprocess.Popen(CHARRUN + ["--engine", str(engine_dir), "--image", str(FACE), "--audio",
+                                    str(long), "--out", str(out)], stderr=subprocess.PIPE,
+                         text=True)
+    for line in iter(p.stderr.readline, ""):
+        if "first frames written" in line:
+            break
+    p.send_signal(signal.SIGHUP)
+    err = p.stderr.read()
+    assert p.wait(60) == 128 + signal.SIGHUP, err
+    assert "stopped by SIGHUP after" in err and "Traceback" not in err, err
+    frames, _, _, _ = probe(out)
+    assert frames > 0 and f"holds {frames} frames" in err, err
+
+
+def test_speech_declaring_1_hz_and_a_seed_past_the_generators_are_one_line(engine_dir, tmp_path):
+    bad = tmp_path / "one-hertz.wav"
+    with wave.open(str(bad), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(1)
+        w.writeframes(np.zeros(50_000, np.int16).tobytes())
+    line = _one_error(run_charrun(engine_dir, bad, tmp_path / "o.mp4"))
+    assert "declares a sample rate of 1 Hz" in line and "8,000 to 192,000 Hz" in line, line
+    r = subprocess.run(CHARRUN + ["--engine", str(engine_dir), "--image", str(FACE), "--audio",
+                                  str(SPEECH), "--out", str(tmp_path / "o.mp4"), "--seed",
+                                  str(2 ** 70)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Invalid value for '--seed'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o.mp4").exists()
+
+
+def test_an_engine_the_user_cannot_read_is_one_line_naming_the_file(engine_dir, tmp_path):
+    """An engine file private to another user (0600, owned by the container's uid 10001):
+    charrun, without the right to read others' files, says in one line which and what to
+    do. charbuild's own engines are readable by all."""
+    import os
+    import shutil
+
+    for d, _, files in os.walk(engine_dir):
+        assert os.stat(d).st_mode & 0o005 == 0o005, d
+        for f in files:
+            assert os.stat(os.path.join(d, f)).st_mode & 0o004, f
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to hand a file to another user and read as one "
+                    "who may not")
+    private = tmp_path / "engine"
+    shutil.copytree(engine_dir, private)
+    os.chown(private / "rank0.safetensors", 10001, 10001)
+    os.chmod(private / "rank0.safetensors", 0o600)
+    # root without the capabilities that override file permissions, as any other user
+    r = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search",
+                        *CHARRUN, "--engine", str(private), "--image", str(FACE), "--audio",
+                        str(SPEECH), "--out", str(tmp_path / "o.mp4")],
+                       capture_output=True, text=True, timeout=300)
+    line = _one_error(r)
+    assert "cannot read engine file rank0.safetensors (permission denied for uid" in line and \
+        "chmod -R a+rX" in line, line

@@ -63,6 +63,14 @@ def test_format_version_mismatch(copy):
         Engine.load(copy)
 
 
+def test_a_format_version_that_is_not_a_number_is_named_as_such(copy):
+    m = json.loads((copy / "manifest.json").read_text())
+    m["format_version"] = str(m["format_version"])
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match="field 'format_version' is str, expected int"):
+        Engine.load(copy)
+
+
 def test_checksum_mismatch(copy):
     data = bytearray((copy / "rank0.safetensors").read_bytes())
     data[-1] ^= 0xFF
