@@ -130,12 +130,24 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, "application/json", json.dumps(
                 {"error": f"no such probe {path}: GET /healthz, /readyz or /metrics"}))
 
+    def _refuse(self):
+        """Any other method: 403 for a host it does not serve, else 405; JSON either way."""
+        refused = self.probes.access.host_refusal(self.headers.get("Host"))
+        self.close_connection = True  # its body is not read: the connection ends with it
+        self._send(403 if refused else 405, "application/json", json.dumps(
+            {"error": refused or "the probe server answers GET only: /healthz, /readyz, "
+                                 "/metrics"}))
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815 - http.server's names
+
     def _send(self, status: int, ctype: str, body: str | bytes) -> None:
         data = body.encode() if isinstance(body, str) else body
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-store")
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 

@@ -432,15 +432,17 @@ class Server:
         """A client that vanished (killed, its network gone) sends nothing more, but its
         connection reads "connected" until ICE's consent expires (30 s): every WebRTC
         receiver reports on the video it gets (RTCP receiver reports, about every second),
-        so a session whose client has reported once and then not for peer_silent_s is
+        so a session whose client has connected and then not reported for peer_silent_s is
         ended."""
         sender = next((s for s in served.pc.getSenders() if s.kind == "video"), None)
         last, heard = None, None
         while self.served is served and sender is not None:
             await asyncio.sleep(PEER_POLL_S)
+            now = time.monotonic()
+            if heard is None and served.pc.connectionState == "connected":
+                heard = now  # the first report is due from here
             stats = await sender.getStats()
             reports = [r.timestamp for r in stats.values() if r.type == "remote-inbound-rtp"]
-            now = time.monotonic()
             if reports and reports[0] != last:
                 last, heard = reports[0], now
             elif heard is not None and now - heard > self.peer_silent_s \

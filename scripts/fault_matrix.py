@@ -19,6 +19,7 @@ temporary directory, removed at the end; nothing else is touched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import http.client
 import json
@@ -43,6 +44,9 @@ import numpy as np
 import psutil
 from PIL import Image
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from netns import can_netns, namespace  # noqa: E402 - the tests' namespaces, shared
+
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
 CHECKPOINT = REPO / "charengine" / "checkpoints" / "tiny.safetensors"
@@ -50,12 +54,15 @@ DOC = REPO / "docs" / "RELIABILITY.md"
 BEGIN, END = "<!-- fault-matrix -->", "<!-- /fault-matrix -->"
 REGENERATE = ".venv/bin/python scripts/fault_matrix.py"
 SIDE_PREFIXES = ("audio_encoder.", "decoder.", "image_encoder.", "text_encoder.")
-LEFTOVER_GLOBS = ("*.building-*", "*.partial", "*.replaced-*", "*.writing-*")
+LEFTOVER_GLOBS = ("*.building-*", "*.partial", "*.replaced-*", "*.writing-*", ".*.lock")
 BOX_CHARS = set("━─│┃┏┓┗┛┡┩└┘┌┐╇╈┳┻╋├┤┼╭╮╰╯")
 LINE_WIDTH = 160
 LOG_STAMP = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ ")  # logging's asctime
 SAMPLE_S = 0.05  # memory sampling period
 GRACE_S = 3.0  # how long a case's processes may outlive its main process
+NETNS = f"charfm{__import__('os').getpid()}"  # the run's network namespace, for WebRTC peers
+NETNS_SUBNET = "10.233.9"
+HOSTILE_BEGIN, HOSTILE_END = "<!-- hostile-page -->", "<!-- /hostile-page -->"
 
 
 # ---------------------------------------------------------------------------------------
@@ -93,6 +100,8 @@ class Case:
     leftovers: tuple[str, ...] = ()  # directories that must hold no staging leftovers
     line: str | None = None  # regex picking the line reported (default: the last on stderr)
     timeout: float = 60.0
+    fsize: int | None = None  # a file-size limit (bytes) on the command: a full disk's EFBIG
+    wrap: tuple[str, ...] = ()  # a command the command runs under (setpriv)
 
 
 def render_argv(out: str, image: str = "face.png", audio: str = "speech.wav",
@@ -157,6 +166,29 @@ def charbuild_cases() -> list[Case]:
         Case("build-sigterm-0.5s", "charbuild", [*build, "--out", "early/engine"],
              refused(rc=(143, -15)), during=signal_after_s(0.5, signal.SIGTERM),
              absent=("early",), leftovers=(".",)),
+        Case("build-no-room", "charbuild", [*build, "--out", "full/engine"],
+             refused(r"could not be written \(a file-size limit"), fsize=200_000,
+             absent=("full",), leftovers=(".",)),
+        Case("build-while-another-builds", "charbuild", [*build, "--out", "twice/engine"],
+             Expect(rc=0, facts=fact_is(second_refused=True, engine=True)),
+             during=second_build_meanwhile, post=check_engine("twice/engine"),
+             leftovers=("twice",), timeout=120),
+        Case("build-after-a-killed-build", "charbuild", [*build, "--out", "again/engine"],
+             Expect(rc=0, facts=fact_is(engine=True, readable=True)),
+             setup=killed_build("again/engine"), post=check_readable("again/engine"),
+             leftovers=("again",), timeout=120),
+        Case("build-preset-of-another-family", "charbuild",
+             [*build, "--preset", "tiny-livetalk", "--out", "other"],
+             refused(r"is a livetalk model and target cpu-tiny serves the characters"),
+             absent=("other",)),
+        Case("build-prompt-nothing-encodes", "charbuild",
+             ["charbuild", "--target", "cpu-tiny-livetalk", "--prompt", "a guide", "--out",
+              "prompted"], refused(r"--prompt is encoded at build by --text-encoder"),
+             absent=("prompted",)),
+        Case("build-vae-pickles-os-system", "charbuild",
+             ["charbuild", "--target", "cpu-tiny-livetalk", "--vae", "ckpt/evil.pth", "--out",
+              "evil"], refused(r"refused: it pickles \S*system", facts=fact_is(ran=False)),
+             setup=make_evil_vae, post=check_not_ran, absent=("evil",)),
     ]
 
 
@@ -216,6 +248,23 @@ def render_cases() -> list[Case]:
         render("render-tp2", plays(), engine="cpu-tiny-tp2", line=r"^wrote ", timeout=90),
         render("render-tp2-rank-killed", plays(rc=1, line=r"rank"), engine="cpu-tiny-tp2",
                audio="long.wav", during=kill_rank_on("first frames written"), timeout=90),
+        render("render-no-room", Expect(rc=1, line=r"could not be written \(File too large\)"
+                                        r".*as it was"),
+               audio="long.wav", out="out/kept.mp4", setup=make_existing_video_at("kept.mp4"),
+               guard=("out/kept.mp4",), leftovers=("out",), fsize=40_000),
+        render("render-sighup", plays(rc=129, line=stopped), audio="long.wav",
+               during=signal_on("first frames written", signal.SIGHUP)),
+        render("render-after-a-killed-render", plays(line=r"^wrote "),
+               out="out/again.mp4", setup=killed_render("out/again.mp4"),
+               leftovers=("out",), line=r"^wrote "),
+        render("render-1hz-wav", refused(r"declares a sample rate of 1 Hz"), audio="1hz.wav"),
+        render("render-seed-2**70", refused(r"--seed", rc=2), extra=("--seed", str(2 ** 70))),
+        render("render-manifest-version-string", refused(r"format_version' is str"),
+               engine="eng-version", setup=engine_copy("eng-version", version_string)),
+        *([render("render-engine-file-not-readable",
+                  refused(r"cannot read engine file rank0.safetensors \(permission denied"),
+                  engine="eng-private", setup=private_rank_file, wrap=NO_READ_OVERRIDE)]
+          if can_drop_read_override() else []),
     ]
 
 
@@ -252,11 +301,32 @@ def serve_cases() -> list[Case]:
         Case("serve-sigterm-on-ready", "serve", serve,
              Expect(rc=0, line=r"stopping"), setup=pick_port,
              during=sigterm_served_tree(0.0)),
+        *hostile_request_cases(serve),
+        Case("serve-uploads-in-flight", "serve", serve,
+             Expect(rc=0, facts=fact_is(fifth="503 Retry-After 2")), setup=pick_port,
+             during=uploads_in_flight),
+        Case("serve-rank-dies-idle", "serve",
+             ["charrun", "--engine", "cpu-tiny-tp2", "--serve", "--port", "{port}",
+              "--health-port", "{health}"],
+             Expect(rc=0, facts=fact_is(not_ready_at_once=True, offer_refused=True,
+                                        logged=True, ready_again=True)),
+             setup=pick_ports, during=rank_dies_idle, timeout=120),
     ]
 
 
+def peer_cases() -> list[Case]:
+    """Cases with a WebRTC peer: in a network namespace of the run's own (aioice gathers no
+    loopback candidates), so only where one can be made (root, iproute2)."""
+    if not can_netns():
+        return []
+    serve = ["charrun", "--engine", "cpu-tiny", "--serve", "--port", "{port}"]
+    return [Case("serve-client-vanishes", "serve", serve,
+                 Expect(rc=0, facts=fact_freed_within(5.0)), setup=pick_port,
+                 during=client_vanishes, wrap=("ip", "netns", "exec", NETNS), timeout=90)]
+
+
 def all_cases() -> list[Case]:
-    return charbuild_cases() + render_cases() + serve_cases()
+    return charbuild_cases() + render_cases() + serve_cases() + peer_cases()
 
 
 # ---------------------------------------------------------------------------------------
@@ -298,6 +368,15 @@ def fact_metrics_fast(limit_s: float) -> Callable[[dict], list[str]]:
         if facts.get("metrics_max_s") is None or facts["metrics_max_s"] > limit_s:
             problems.append(f"/metrics took {facts.get('metrics_max_s')} s (limit {limit_s} s)")
         return problems
+    return check
+
+
+def fact_freed_within(limit_s: float) -> Callable[[dict], list[str]]:
+    def check(facts):
+        freed = facts.get("freed_s")
+        if freed is None or freed > limit_s:
+            return [f"the slot was freed after {freed} s (limit {limit_s} s)"]
+        return []
     return check
 
 
@@ -375,6 +454,7 @@ def make_audio(root: Path) -> None:
     data = (root / "truncated.wav").read_bytes()
     (root / "truncated.wav").write_bytes(data[:len(data) // 2])
     write_audio(root / "speech3s.m4a", np.resize(f, 3 * rate), rate, "aac", "ipod")
+    write_wav_s16(root / "1hz.wav", np.zeros(50_000, np.int16), 1)  # 128 kB: 50,000 s at 1 Hz
 
 
 def make_images(root: Path) -> None:
@@ -435,8 +515,16 @@ def make_out_dir(root: Path, ctx: dict) -> None:
 
 
 def make_existing_video(root: Path, ctx: dict) -> None:
+    make_existing_video_at("existing.mp4")(root, ctx)
+
+
+def make_existing_video_at(name: str) -> Callable[[Path, dict], None]:
+    return lambda root, ctx: write_grey_video(root / "out" / name)
+
+
+def write_grey_video(path: Path) -> None:
     """A user's earlier video (12 grey frames) at the --out path."""
-    with av.open(str(root / "out" / "existing.mp4"), "w") as c:
+    with av.open(str(path), "w") as c:
         s = c.add_stream("libx264", rate=24)
         s.width, s.height, s.pix_fmt = 64, 64, "yuv420p"
         for i in range(12):
@@ -508,6 +596,128 @@ def flip_rank_byte(engine: Path) -> None:
     p.write_bytes(bytes(data))
 
 
+def version_string(engine: Path) -> None:
+    m = json.loads((engine / "manifest.json").read_text())
+    m["format_version"] = str(m["format_version"])
+    (engine / "manifest.json").write_text(json.dumps(m, indent=2))
+
+
+# root without the capabilities that override file permissions: reads as any other user
+NO_READ_OVERRIDE = ("setpriv", "--bounding-set", "-dac_override,-dac_read_search")
+
+
+def can_drop_read_override() -> bool:
+    import os
+
+    return os.geteuid() == 0 and shutil.which("setpriv") is not None
+
+
+def private_rank_file(root: Path, ctx: dict) -> None:
+    """An engine whose rank file is another user's (uid 10001), readable by it alone."""
+    import os
+
+    shutil.copytree(root / "cpu-tiny", root / "eng-private")
+    f = root / "eng-private" / "rank0.safetensors"
+    os.chown(f, 10001, 10001)
+    os.chmod(f, 0o600)
+    ctx["notes"].append("rank0.safetensors: uid 10001, 0600; charrun without the right to "
+                        "read others' files")
+
+
+class Shell:
+    """Unpickled, runs a command (creates the file `path`)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.path}",))
+
+
+def make_evil_vae(root: Path, ctx: dict) -> None:
+    """A VAE .pth, saved by torch, that runs a command when unpickled (it creates ran.txt)."""
+    import torch
+
+    (root / "ckpt").mkdir(exist_ok=True)
+    torch.save({"conv1.weight": Shell(root / "ran.txt")}, root / "ckpt" / "evil.pth")
+
+
+def check_not_ran(root: Path, ctx: dict) -> None:
+    ctx["facts"]["ran"] = (root / "ran.txt").exists()
+    advice = "weights_only=False" in ctx["stderr"] or "Re-running" in ctx["stderr"]
+    ctx["facts"]["ran"] = ctx["facts"]["ran"] or advice
+    ctx["notes"].append("the pickled command did not run; no advice to unpickle printed"
+                        if not ctx["facts"]["ran"] else "RAN or advised weights_only=False")
+
+
+def second_build_meanwhile(running: Running, ctx: dict) -> None:
+    """Once the build writes its staging, stop it (SIGSTOP), run a second build to the same
+    --out, let the first go on."""
+    if not running.wait_for("rank 0:"):
+        ctx["notes"].append("never printed 'rank 0:'")
+        return
+    running.signal(signal.SIGSTOP)
+    try:
+        r = subprocess.run([ctx["tools"]["charbuild"], "--target", "cpu-tiny", "--out",
+                            "twice/engine"], cwd=ctx["root"], capture_output=True, text=True,
+                           timeout=120)
+    finally:
+        running.signal(signal.SIGCONT)
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("Error:")]
+    ctx["facts"]["second_refused"] = r.returncode == 1 and "another charbuild" in r.stderr
+    ctx["notes"].append(f"a second build meanwhile: exit {r.returncode}, "
+                        f"{line[-1] if line else r.stderr.strip()[-120:]}")
+
+
+def killed_build(out: str) -> Callable[[Path, dict], None]:
+    """A build to `out` killed (SIGKILL) while writing its staging, before the case's own."""
+    def setup(root: Path, ctx: dict) -> None:
+        p = Running([ctx["tools"]["charbuild"], "--target", "cpu-tiny", "--out", out], root)
+        p.wait_for("rank 0:")
+        p.signal(signal.SIGKILL)
+        p.proc.wait(30)
+        p.close_streams()
+        left = sorted(x.name for x in (root / out).parent.glob(".*"))
+        ctx["notes"].append(f"a build killed mid-way first left {', '.join(left) or 'nothing'}")
+    return setup
+
+
+def check_readable(rel: str) -> Callable[[Path, dict], None]:
+    def post(root: Path, ctx: dict) -> None:
+        import os
+
+        check_engine(rel)(root, ctx)
+        paths = [root / rel, *(root / rel).rglob("*")]
+        ok = all(os.stat(p).st_mode & (0o055 if p.is_dir() else 0o044) ==
+                 (0o055 if p.is_dir() else 0o044) for p in paths)
+        ctx["facts"]["readable"] = ok
+        ctx["notes"].append("readable by every user" if ok else "NOT readable by every user")
+    return post
+
+
+def killed_render(out: str) -> Callable[[Path, dict], None]:
+    """A render to `out` killed (SIGKILL) once it has written frames, before the case's."""
+    def setup(root: Path, ctx: dict) -> None:
+        p = Running([ctx["tools"]["charrun"], *render_argv(out, audio="long.wav")[1:]], root)
+        p.wait_for("first frames written")
+        p.signal(signal.SIGKILL)
+        p.proc.wait(30)
+        p.close_streams()
+        left = sorted(x.name for x in (root / out).parent.glob(f".{Path(out).stem}.*"))
+        ctx["notes"].append(f"a render killed mid-way first left {', '.join(left) or 'nothing'}")
+    return setup
+
+
+def limit_fsize(nbytes: int):
+    def limit():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return limit
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -516,6 +726,10 @@ def free_port() -> int:
 
 def pick_port(root: Path, ctx: dict) -> None:
     ctx["port"] = free_port()
+
+
+def pick_ports(root: Path, ctx: dict) -> None:
+    ctx["port"], ctx["health"] = free_port(), free_port()
 
 
 def hold_port(root: Path, ctx: dict) -> None:
@@ -543,11 +757,12 @@ def pick_big_offer(root: Path, ctx: dict) -> None:
 class Running:
     """A command started in its own session, its stdout and stderr read line by line."""
 
-    def __init__(self, argv: list[str], cwd: Path):
+    def __init__(self, argv: list[str], cwd: Path, fsize: int | None = None):
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=None if fsize is None else limit_fsize(fsize))
         self.ps = psutil.Process(self.proc.pid)
         self.lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
         self.closed: set[str] = set()
@@ -723,12 +938,14 @@ def kill_rank_on(text: str) -> Callable[[Running, dict], None]:
 
 
 def http_request(port: int, method: str, path: str, body: bytes | None = None,
-         timeout: float = 30.0) -> tuple[int | None, str, float]:
+                 timeout: float = 30.0, headers: dict | None = None
+                 ) -> tuple[int | None, str, float]:
     """(status, body text, seconds); status None where no answer could be read."""
     t0 = time.monotonic()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers = {**({"Content-Type": "application/json"} if body is not None else {}),
+                   **(headers or {})}
         try:
             conn.request(method, path, body=body, headers=headers)
         except (BrokenPipeError, ConnectionResetError):
@@ -754,17 +971,147 @@ def stop_server(running: Running) -> None:
 
 
 def offer_then_stop(body: Callable[[], bytes], what: str) -> Callable[[Running, dict], None]:
+    return request_then_stop("POST", "/offer", body, what)
+
+
+def request_then_stop(method: str, path: str, body: Callable[[], bytes] | None, what: str,
+                      headers: dict | None = None, port: str = "port"
+                      ) -> Callable[[Running, dict], None]:
+    """Once the server serves: one request (to ctx[port]), its answer noted; then SIGTERM."""
     def during(running: Running, ctx: dict) -> None:
         if not running.wait_for("serving on", "stdout"):
             ctx["notes"].append("never printed 'serving on'")
             return
-        status, text, secs = http_request(ctx["port"], "POST", "/offer", body())
+        status, text, secs = http_request(ctx[port], method, path,
+                                          body() if body is not None else None,
+                                          headers=headers)
         err = json_error(text)
         ctx["facts"].update(status=status, json_error=err is not None)
         shown = f'{{"error": "{err}"}}' if err else text
-        ctx["notes"].append(f"POST /offer ({what}) -> {status} in {secs:.2f} s: {shown}")
+        ctx["notes"].append(f"{method} {path} ({what}) -> {status} in {secs:.2f} s: {shown}")
         stop_server(running)
     return during
+
+
+def wav_url(rate: int, samples: int) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
+        w.writeframes(np.zeros(samples, np.int16).tobytes())
+    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def offer_with(**fields) -> Callable[[], bytes]:
+    return lambda: json.dumps({"type": "offer", "sdp": "v=0\r\n", **fields}).encode()
+
+
+def hostile_request_cases(serve: list[str]) -> list[Case]:
+    """What a page elsewhere, a rebinding or a careless client sends to --serve: each one
+    request, answered in one JSON line with a 4xx, nothing changed."""
+    both = [*serve, "--health-port", "{health}"]
+    evil = {"Host": "evil.example:8080"}
+
+    def case(name, status, method, path, body, what, headers=None, port="port"):
+        return Case(name, "serve", both, Expect(rc=0, facts=fact_http(status)),
+                    setup=pick_ports, during=request_then_stop(method, path, body, what,
+                                                               headers, port))
+
+    return [
+        case("serve-host-rebound", 403, "GET", "/status", None, "Host: evil.example", evil),
+        case("serve-probe-host-rebound", 403, "GET", "/metrics", None,
+             "probe port, Host: evil.example", evil, port="health"),
+        case("serve-post-from-another-origin", 403, "POST", "/stop",
+             lambda: b'{"session": "guess"}', "Origin: http://evil.example",
+             {"Origin": "http://evil.example"}),
+        case("serve-offer-as-text-plain", 415, "POST", "/offer", offer_with(),
+             "Content-Type: text/plain", {"Content-Type": "text/plain"}),
+        case("serve-json-nested-100000", 400, "POST", "/offer",
+             lambda: b"[" * 100_000 + b"]" * 100_000, "JSON nested 100,000 deep"),
+        case("serve-fit-as-a-list", 400, "POST", "/offer", offer_with(fit=["cover"]),
+             "fit as a list"),
+        case("serve-background-as-an-object", 400, "POST", "/offer",
+             offer_with(background={"r": 1}), "background as an object"),
+        case("serve-empty-speech", 400, "POST", "/offer",
+             offer_with(speech="data:audio/wav;base64,"), "a 0-byte speech file"),
+        case("serve-speech-at-1hz", 400, "POST", "/offer",
+             offer_with(speech=wav_url(1, 50_000)), "100 kB WAV declaring 1 Hz"),
+        case("serve-speech-601s", 400, "POST", "/offer",
+             offer_with(speech=wav_url(8000, 8000 * 601)), "601 s of speech"),
+        case("serve-stop-without-session", 400, "POST", "/stop", lambda: b"{}",
+             "no session id"),
+        case("serve-stop-another-session", 404, "POST", "/stop",
+             lambda: b'{"session": "Zm9yZ2VkLXRva2VuLWd1ZXNz"}', "a guessed session id"),
+    ]
+
+
+def uploads_in_flight(running: Running, ctx: dict) -> None:
+    """Four offers whose bodies are still arriving (1 MB declared each); a fifth gets 503
+    with Retry-After before its body is read."""
+    if not running.wait_for("serving on", "stdout"):
+        ctx["notes"].append("never printed 'serving on'")
+        return
+    port, held = ctx["port"], []
+
+    def slow(declared: int) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(f"POST /offer HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                  f"application/json\r\nContent-Length: {declared}\r\n\r\n{{".encode())
+        return s
+
+    def inflight() -> int:
+        return json.loads(http_request(port, "GET", "/status")[1])["uploads_in_flight"]
+
+    try:
+        for k in range(4):
+            held.append(slow(1 << 20))
+            deadline = time.monotonic() + 30
+            while inflight() != k + 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        fifth = slow(1 << 20)
+        fifth.settimeout(30)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += fifth.recv(65536)
+        fifth.close()
+        head = answer.split(b"\r\n\r\n")[0].decode()
+        status = head.split()[1]
+        retry = re.search(r"Retry-After: (\S+)", head)
+        ctx["facts"]["fifth"] = f"{status} Retry-After {retry.group(1) if retry else None}"
+        ctx["notes"].append(f"4 uploads of 1 MB in flight; a fifth -> {status}, Retry-After "
+                            f"{retry.group(1) if retry else 'none'}")
+    finally:
+        for s in held:
+            s.close()
+    stop_server(running)
+
+
+def rank_dies_idle(running: Running, ctx: dict) -> None:
+    """A TP rank killed while the server is idle: /readyz and an offer from the moment its
+    process has exited, the log, and the ranks back."""
+    if not running.wait_for("serving on", "stdout", timeout=80):
+        ctx["notes"].append("never printed 'serving on'")
+        return
+    ranks = rank_processes(running)
+    ranks[-1].kill()
+    ranks[-1].wait(10)
+    t0 = time.monotonic()
+    ready, body, _ = http_request(ctx["health"], "GET", "/readyz")
+    offer, said, _ = http_request(ctx["port"], "POST", "/offer", offer_with()())
+    ctx["facts"].update(not_ready_at_once=ready == 503, offer_refused=offer in (409, 503))
+    logged = running.wait_for("died (exit -9)", timeout=10)
+    while time.monotonic() - t0 < 60:
+        if http_request(ctx["health"], "GET", "/readyz")[0] == 200:
+            break
+        time.sleep(0.1)
+    back = time.monotonic() - t0
+    ctx["facts"].update(logged=logged, ready_again=back < 60)
+    ctx["notes"].append(f"rank killed: /readyz {ready} ({json.loads(body).get('detail')}), "
+                        f"an offer {offer} ({json_error(said)}); logged: {logged}; ready "
+                        f"again {back:.1f} s later")
+    stop_server(running)
 
 
 def metrics_during_offer(running: Running, ctx: dict) -> None:
@@ -793,6 +1140,47 @@ def metrics_during_offer(running: Running, ctx: dict) -> None:
                         f"({err or text[:80]}); "
                         f"GET /metrics answered {len(times)} times meanwhile, slowest "
                         f"{max(times) if times else float('nan'):.3f} s")
+    stop_server(running)
+
+
+def in_netns(*cmd: str) -> list[str]:
+    return ["ip", "netns", "exec", NETNS, *cmd]
+
+
+# polls a server's /status inside the namespace; prints the monotonic time it reads "ready"
+READY_POLL = ("import json, sys, time, urllib.request\n"
+              "while True:\n"
+              "    s = json.load(urllib.request.urlopen(sys.argv[1] + 'status'))\n"
+              "    if s['state'] == 'ready': print(time.monotonic(), flush=True); break\n"
+              "    time.sleep(0.05)\n")
+
+
+def client_vanishes(running: Running, ctx: dict) -> None:
+    """A WebRTC client streaming is killed (SIGKILL: it says nothing); how long until the
+    server has freed the session's slot (/status reads ready)."""
+    if not running.wait_for("serving on", "stdout"):
+        ctx["notes"].append("never printed 'serving on'")
+        return
+    url = f"http://127.0.0.1:{ctx['port']}/"
+    client = subprocess.Popen(in_netns(sys.executable, str(REPO / "tests" / "webrtc_client.py"),
+                                       "--url", url, "--seconds", "60"),
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        streaming = any(json.loads(ln)["kind"] == "streaming"
+                        for ln in iter(client.stdout.readline, "")
+                        if json.loads(ln)["kind"] in ("streaming", "refused", "timeout"))
+    finally:
+        client.kill()
+    killed = time.monotonic()
+    client.wait(10)
+    poll = subprocess.run(in_netns(sys.executable, "-c", READY_POLL, url), capture_output=True,
+                          text=True, timeout=60)
+    freed = float(poll.stdout.split()[0]) - killed if poll.returncode == 0 else None
+    ctx["facts"]["freed_s"] = round(freed, 2) if freed is not None else None
+    cause = re.search(r"session \d+: (the client [^;]+)", running.text("stderr"))
+    ctx["notes"].append(f"streaming: {streaming}; the client killed (SIGKILL): the slot free "
+                        f"{freed:.1f} s later ({cause.group(1) if cause else 'cause not logged'})"
+                        if freed is not None else "the slot was not freed within 60 s")
     stop_server(running)
 
 
@@ -987,7 +1375,8 @@ def execute(case: Case, root: Path, tools: dict[str, str], ctx: dict) -> dict:
         case.setup(root, ctx)
     before = snapshot(root, case.guard)
     argv = fill(case.argv, ctx)
-    running = Running([tools.get(argv[0], argv[0]), *argv[1:]], root / case.cwd)
+    running = Running([*case.wrap, *(tools.get(a, a) for a in argv)], root / case.cwd,
+                      case.fsize)
     helper = None
     if case.during:
         helper = threading.Thread(target=guarded, args=(case.during, running, ctx), daemon=True)
@@ -1073,7 +1462,7 @@ def judge(case: Case, row: dict, facts: dict) -> list[str]:
 
 
 def run_case(case: Case, root: Path, tools: dict[str, str]) -> dict:
-    ctx = {"root": root, "notes": [], "facts": {}, "close": [], "port": 0,
+    ctx = {"root": root, "tools": tools, "notes": [], "facts": {}, "close": [], "port": 0,
            "command": short_command(case.argv), "stdout": "", "stderr": ""}
     try:
         result = execute(case, root, tools, ctx)
@@ -1160,32 +1549,132 @@ def section(rows: list[dict], seconds: float) -> str:
 INTRO = f"""# Reliability
 
 The goal: whatever a user gives charbuild or charrun (a wrong path, a damaged file, odd
-media, a signal at any moment), the tools answer with one line and no traceback, nothing the
-user had is lost, and every output that should play plays and holds what the command says
-it holds. The table below is the fault matrix: each row runs the real command against
-freshly built tiny engines on the CPU. Regenerate it with
+media, a full disk, a signal at any moment), and whatever reaches `--serve` (a careless
+client, a page elsewhere in the user's browser), the tools answer with one line and no
+traceback, nothing the user had is lost, no temporary file outlives the next run, and every
+output that should play plays and holds what the command says it holds. Regenerate both
+tables below with
 
 ```
 {REGENERATE}
 ```
+
+## The fault matrix
+
+Each row runs the real command against freshly built tiny engines on the CPU: charbuild's
+and charrun's command-line faults (a file-size limit stands in for a full disk: the same
+EFBIG a write meets; `setpriv` drops root's right to read others' files, as the container's
+user lacks it), and `--serve` met by one request each: a host name it does not answer to
+(DNS rebinding), a POST from another origin, a body that is not JSON, malformed fields,
+speech that would decode to gigabytes, uploads past the in-flight caps, control requests
+naming no session or another's, a TP rank killed while idle, and a WebRTC client killed
+mid-session (inside a network namespace of the run's own, where root can make one). What
+the server checks and why: `docs/DEPLOY.md` ("Who may use the server").
+
 """
 
 
-def write_doc(path: Path, rows: list[dict], seconds: float) -> None:
-    block = section(rows, seconds)
-    if not path.exists():
-        path.write_text(INTRO + "\n" + block + "\n")
-        return
-    text = path.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        path.write_text(head + block + tail)
-    else:
-        path.write_text(text.rstrip("\n") + "\n\n" + block + "\n")
+def write_doc(path: Path, rows: list[dict], seconds: float, hostile: str | None) -> None:
+    text = path.read_text() if path.exists() else INTRO
+    text = replace_block(text, BEGIN, END, section(rows, seconds))
+    if hostile is not None:
+        text = replace_block(text, HOSTILE_BEGIN, HOSTILE_END, hostile)
+    path.write_text(text)
+
+
+def replace_block(text: str, begin: str, end: str, block: str) -> str:
+    """`text` with the part between the markers replaced by `block` (which holds them), or
+    `block` added at its end."""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        return head + block + rest.split(end, 1)[1]
+    return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
 # ---------------------------------------------------------------------------------------
+# pages of other origins against a live session, in real Chromium
+
+
+def hostile_pages(root: Path, tools: dict[str, str]) -> tuple[dict, dict] | None:
+    """A session streaming to a WebRTC client while Chromium opens pages of other origins
+    and a rebound page (tests/hostile_page.py), inside the run's namespace: (what the
+    attackers saw, the server's /status after); None where Chromium or playwright is
+    missing."""
+    chromium = shutil.which("chromium")
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        return None
+    if chromium is None:
+        return None
+    port, health = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}/"
+    server = Running(in_netns(tools["charrun"], "--engine", "cpu-tiny", "--serve", "--port",
+                              str(port), "--health-port", str(health)), root)
+    try:
+        if not server.wait_for("serving on", "stdout", timeout=60):
+            raise RuntimeError("the server did not start: " + server.text("stderr")[-300:])
+        victim = subprocess.Popen(in_netns(sys.executable, str(REPO / "tests/webrtc_client.py"),
+                                           "--url", url, "--seconds", "120"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            for ln in iter(victim.stdout.readline, ""):
+                if json.loads(ln)["kind"] == "streaming":
+                    break
+            r = subprocess.run(in_netns(sys.executable, str(REPO / "tests/hostile_page.py"),
+                                        "--url", url, "--health", str(health), "--chromium",
+                                        chromium), capture_output=True, text=True, timeout=180)
+            attacks = json.loads(r.stdout.strip().splitlines()[-1])
+            status = json.loads(subprocess.run(in_netns(sys.executable, "-c",
+                "import urllib.request, sys; print(urllib.request.urlopen(sys.argv[1])"
+                ".read().decode())", url + "status"), capture_output=True, text=True).stdout)
+            status["victim_connected"] = victim.poll() is None
+        finally:
+            victim.kill()
+            victim.wait(10)
+        return attacks, status
+    finally:
+        server.signal(signal.SIGTERM)
+        server.proc.wait(30)
+        server.close_streams()
+
+
+def hostile_section(found: tuple[dict, dict] | None) -> str:
+    if found is None:
+        return (f"{HOSTILE_BEGIN}\n_Not run here: needs root (a network namespace), Debian's "
+                f"chromium and playwright._\n{HOSTILE_END}")
+    attacks, status = found
+    lines = ["| page | what it tried | what the page could read |", "|---|---|---|"]
+    names = {"cross_site": "another origin (localhost:9666)",
+             "rebound": "evil.example re-pointed at the server's page port",
+             "rebound_probes": "evil.example re-pointed at the probe port"}
+    for key, label in names.items():
+        for what, got in attacks["page"].get(key, {}).items():
+            lines.append(f"| {label} | {cell(what)} | {cell(got[:150])} |")
+    answers = ["| request that reached the server | its answers |", "|---|---|"]
+    for request, codes in sorted(attacks["server"].items()):
+        answers.append(f"| `{cell(request)}` | {', '.join(map(str, codes))} |")
+    ok = all(c in (403, 405, 415) for codes in attacks["server"].values() for c in codes)
+    verdict = (f"The victim's session after: /status reads {status['state']!r}, "
+               f"{status['sessions']} session(s) started, its client "
+               f"{'still connected' if status['victim_connected'] else 'DISCONNECTED'}; "
+               + ("every request that reached the server was refused."
+                  if ok else "SOME REQUEST WAS ANSWERED."))
+    return (f"{HOSTILE_BEGIN}\n_Generated by `{REGENERATE}` (tests/hostile_page.py in headless "
+            "Chromium, with the browser's own local-network checks off, so that the server's "
+            "checks are what is shown)._\n\n" + "\n".join(lines) + "\n\n" +
+            "\n".join(answers) + "\n\n" + verdict + f"\n{HOSTILE_END}")
+
+
+# ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def namespace_of_the_run():
+    """The run's network namespace (NETNS), for the cases with a WebRTC peer."""
+    with namespace(NETNS.rstrip("0123456789"), NETNS_SUBNET) as name:
+        assert name == NETNS, (name, NETNS)
+        yield name
 
 
 def find_tools() -> dict[str, str]:
@@ -1226,14 +1715,19 @@ def main(argv=None) -> int:
         return 0
     tools = find_tools()
     t0 = time.monotonic()
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="fault-matrix-") as tmp:
+    rows, hostile = [], None
+    with tempfile.TemporaryDirectory(prefix="fault-matrix-") as tmp, \
+            (namespace_of_the_run() if can_netns() else contextlib.nullcontext()):
         root = Path(tmp)
         print(f"fault_matrix: media and engines in {root} ...", file=sys.stderr, flush=True)
         make_shared(root, tools)
         for i, case in enumerate(cases, 1):
             rows.append(run_case(case, root, tools))
             progress(i, len(cases), rows[-1])
+        if not args.only and can_netns():
+            print("fault_matrix: pages of other origins against a live session ...",
+                  file=sys.stderr, flush=True)
+            hostile = hostile_section(hostile_pages(root, tools))
     seconds = time.monotonic() - t0
     print(f"fault_matrix: {summary(rows)} ({seconds:.0f} s)", file=sys.stderr)
     if args.json:
@@ -1241,7 +1735,7 @@ def main(argv=None) -> int:
     if args.only and not args.no_doc:
         print("fault_matrix: --only: the document is left as it is", file=sys.stderr)
     elif not args.no_doc:
-        write_doc(args.doc, rows, seconds)
+        write_doc(args.doc, rows, seconds, hostile)
         print(f"fault_matrix: wrote {args.doc}", file=sys.stderr)
     return 0
 

@@ -11,6 +11,7 @@ clamped to [-1, 1] and mapped to [0, 1].
 from __future__ import annotations
 
 import pickle
+import warnings
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,7 +153,9 @@ def load_vae(path: str | Path, spec: VaeSpec = WAN21) -> dict[str, torch.Tensor]
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file ({WHAT}, Wan2.1_VAE.pth)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on a file it refuses: the line says it
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, KeyError, ValueError,
             IndexError, TypeError, AttributeError) as e:  # what a damaged or foreign file raises
         raise CheckpointError(f"{path}: {_load_failure(e)}") from None
