@@ -3,6 +3,7 @@
 import signal
 import subprocess
 import sys
+import threading
 import time
 import wave
 
@@ -114,12 +115,26 @@ def test_pipeline_overlaps_decoding_with_the_next_diffusion_and_applies_backpres
         assert frames.shape == (4, 3, spec.out_h, spec.out_w)
         time.sleep(0.03)
 
+    # the decode of step i waits until step i + 1's diffusion has begun: a pipeline that
+    # ran them one after the other would never let it begin (the wait would run out)
+    began = [threading.Event() for _ in range(steps)]
+    diffused, decoded, overlapped = iter(range(steps)), iter(range(steps)), []
+    step, decode = worker.session.step, worker._decode
+
+    def step_(*a):
+        began[next(diffused)].set()
+        return step(*a)
+
+    def decode_(*a, **kw):
+        i = next(decoded)
+        if i + 1 < steps:
+            overlapped.append(began[i + 1].wait(60))
+        return decode(*a, **kw)
+
+    worker.session.step, worker._decode = step_, decode_
     t = worker.run(speech, steps, slow_sink)
     assert len(t.diffusion) == len(t.decode) == len(t.sink) == steps
-    # decoding of step i-1 runs while step i diffuses
-    overlaps = sum(1 for i in range(1, steps)
-                   if t.decode[i - 1][0] < t.diffusion[i][1] and t.decode[i - 1][1] > t.diffusion[i][0])
-    assert overlaps >= (steps - 1) // 2
+    assert overlapped == [True] * (steps - 1)
     # depth-one queues: diffusion never runs more than 4 steps ahead of playback
     for i in range(steps):
         ahead = sum(1 for _, end in t.diffusion if end < t.sink[i][0])

@@ -3,7 +3,6 @@ Prometheus metrics served over HTTP on loopback; just in time, speech fed live r
 frames without queueing, a silent microphone never starves playback, and LiveTalk's frames
 reach the pacer latent by latent as the whole chunk's would."""
 
-import statistics
 import threading
 import time
 
@@ -32,8 +31,7 @@ def test_barge_in_stops_voiced_frames_at_once_and_returns_to_listening(worker):
     time.sleep(1.0)
     s.stop()
     voiced_after = [t for t, v in log if v and t > t_int]
-    last_voiced = max(t for t, v in log if v)
-    assert voiced_after == [] and last_voiced - t_int <= 0.4  # goal: 0.4 s (paper 0.78)
+    assert voiced_after == []  # how soon the last one played: scripts/bench_bargein.py
     assert any(not v for t, v in log if t > t_int)  # listening frames flow again
 
 
@@ -90,16 +88,17 @@ def test_below_target_is_judged_against_the_engines_fps_over_the_steady_part(fps
 
 
 class TakeTimes(SpeechBuffer):
-    """A session's speech buffer that records when each step took its speech."""
+    """A session's speech buffer that records, for each step's take, whether its speech was
+    all there (or a turn's end)."""
 
     def __init__(self):
         super().__init__()
-        self.times: list[float] = []
+        self.complete: list[bool] = []
 
     def take(self, n: int):
-        out = super().take(n)
-        self.times.append(self.clock())
-        return out
+        with self.lock:
+            self.complete.append(self._has(n))
+        return super().take(n)
 
 
 def _feed(session, speech, stop, frame=320, rate=16000):
@@ -111,53 +110,41 @@ def _feed(session, speech, stop, frame=320, rate=16000):
         session.say(part)
 
 
-def _first_frames(worker, times: list[float], steps: int) -> list[float]:
-    """Each step's first frame's time from the publish times of a session's frames."""
-    out, n = [], 0
-    for k in range(steps):
-        if n < len(times):
-            out.append(times[n])
-        n += worker.family.step_frames(worker.spec, k)
-    return out
-
-
 def test_speech_fed_live_is_taken_just_in_time_for_its_frames(worker):
-    """Each step takes its speech as it arrives, a step's processing time before its slot:
-    from a take to its step's first frame is under two steps (taken as the pipeline asks, it
-    runs as far ahead as the queues and the pacer's slack hold steps: about five), and
-    playback does not stall."""
-    published = []
-    s = LiveSession(worker, lambda f, a, t, v: published.append(t))
-    s.speech = takes = TakeTimes()
-    stop = threading.Event()
-    feeder = threading.Thread(target=_feed, args=(s, torch.randn(16000 * 10) * 0.1, stop))
-    feeder.start()
-    s.start(torch.rand(3, 64, 64))
-    time.sleep(3.0)
-    s.stop()
-    stop.set()
-    feeder.join()
-    assert s.error is None
-    firsts = _first_frames(worker, published, len(takes.times))
-    step_s = worker.spec.frames_per_latent / worker.spec.fps
-    ahead = [f - t for f, t in zip(firsts[4:], takes.times[4:])]
-    assert len(ahead) >= 8 and statistics.median(ahead) < 2 * step_s, ahead
-    frame_s = 1 / worker.spec.fps
-    assert [x for x in s.pacer.playout.stalls if x[1] >= frame_s] == []
+    """Each step takes its speech as it arrives: no take after the first happens before
+    its speech is all there unless its deadline has come (its slot less the processing
+    time), whatever the machine's speed; taken as the pipeline asks instead, takes run ahead
+    of the speech (the control). How far ahead of its frames a take runs is the machine's:
+    scripts/livetalk_latency.py measures it."""
+    def run(just_in_time):
+        s = LiveSession(worker, lambda f, a, t, v: None, just_in_time=just_in_time)
+        s.speech = takes = TakeTimes()
+        stop = threading.Event()
+        feeder = threading.Thread(target=_feed, args=(s, torch.randn(16000 * 10) * 0.1, stop))
+        feeder.start()
+        s.start(torch.rand(3, 64, 64))
+        assert wait_until(lambda: len(takes.complete) >= 12, 60)
+        s.stop()
+        stop.set()
+        feeder.join()
+        assert s.error is None
+        return takes.complete[1:12], list(s.take_reasons)[1:12]
+
+    complete, why = run(True)
+    assert all(c or w == "deadline" for c, w in zip(complete, why)), (complete, why)
+    complete, why = run(False)
+    assert not all(complete) and why == []
 
 
 def test_a_silent_microphone_never_starves_playback(worker):
-    """No speech at all: every step is taken at its deadline and frames play at the model's
-    rate."""
+    """No speech at all: every step after the first is taken at its deadline (none waits
+    for speech that never comes), and frames keep playing, silent."""
     published = []
     s = LiveSession(worker, lambda f, a, t, v: published.append((t, v)))
     s.start(torch.rand(3, 64, 64))
-    assert wait_until(lambda: len(published) >= 8, 20)
-    t1 = published[-1][0]
-    time.sleep(2.0)
+    assert wait_until(lambda: len(published) >= 8 + 2 * worker.spec.fps, 60)
     s.stop()
-    later = [t for t, _ in published if t1 < t <= t1 + 2.0]
-    assert len(later) >= 0.9 * 2.0 * worker.spec.fps
+    assert len(s.take_reasons) > 4 and set(s.take_reasons) == {"deadline"}, s.take_reasons
     assert not any(v for _, v in published)
 
 
