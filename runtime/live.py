@@ -265,6 +265,10 @@ class LiveSession:
         self.estimate = processing_estimate if processing_estimate is not None \
             else worker.processing_s
         self.sinking = (-1, 0)  # (step, its frames sunk so far)
+        # why each of the last steps was taken when it was, just in time: "speech" (it had
+        # all arrived, or a turn's end) or "deadline" (it had not: a silent microphone, or
+        # speech arriving late)
+        self.take_reasons: collections.deque[str] = collections.deque(maxlen=PROCESSING_WINDOW)
         self.stalls_seen = 0
         self.flush_slots: set[float] = set()  # barge-in restarts: the gap after one is no stall
         self.pacer = Pacer(self._publish, self.spec.fps, self.spec.frames_per_latent, slack,
@@ -372,15 +376,17 @@ class LiveSession:
         while not self.pipeline.stop.is_set():
             left = self.deadline() - self.pacer.clock()
             if left <= 0:
+                self.take_reasons.append("deadline")
                 return
             if self.speech.wait_for(n, min(left, WAIT_POLL_S)):
                 lead = self.deadline() - self.pacer.clock()
-                if not (math.isfinite(lead) and lead > RESYNC_LEAD_FRAMES / self.spec.fps):
-                    return
-                if self.speech.queued() - n > sample_rate / self.spec.fps:
-                    return  # not speech arriving live (an uploaded clip): all of it plays
-                excess = lead - RESYNC_KEEP_FRAMES / self.spec.fps
-                if not self.speech.drop_silence(int(excess * sample_rate)):
+                if not (math.isfinite(lead) and lead > RESYNC_LEAD_FRAMES / self.spec.fps) \
+                        or self.speech.queued() - n > sample_rate / self.spec.fps \
+                        or not self.speech.drop_silence(
+                            int((lead - RESYNC_KEEP_FRAMES / self.spec.fps) * sample_rate)):
+                    # (more than a frame's worth queued past the take: not speech arriving
+                    # live, an uploaded clip, all of which plays)
+                    self.take_reasons.append("speech")
                     return
         raise Stopped
 
