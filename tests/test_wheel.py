@@ -20,11 +20,11 @@ import pytest
 from rendered import FACE, ROOT, SPEECH, check_mp4, expected_frames
 
 # what the wheel is built from: the same paths the Containerfile copies
-SOURCES = ("pyproject.toml", "charengine", "plugins", "builder", "runtime")
+SOURCES = ("pyproject.toml", "charengine")
 # package data: the source directory and where the installed package holds it
 PACKAGE_DATA = {"charengine/targets": "charengine/targets",
                 "charengine/checkpoints": "charengine/checkpoints",
-                "runtime/static": "charengine/runtime/static"}
+                "charengine/runtime/static": "charengine/runtime/static"}
 TIMEOUT_S = 300
 SERVE_READY_S = 120
 
