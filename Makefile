@@ -23,6 +23,7 @@ assets: $(VENV)/.installed
 	$(PY) scripts/make_demo_media.py --out assets
 
 test: $(VENV)/.installed
+	@echo "make test: about 10 minutes on 2 cores (more as root, with the browser and image tests)"
 	$(PY) -m pytest -q
 
 .PHONY: install demo assets test

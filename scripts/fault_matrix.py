@@ -1361,8 +1361,10 @@ def frame_claim(text: str) -> int | None:
 
 
 def short_command(argv: list[str]) -> str:
-    """The command as the table shows it: {port} as P (it changes every run)."""
-    return " ".join(shlex.quote(a.replace("{port}", "P")) for a in argv)
+    """The command as the table shows it: {port} as P and {health} as H (they change every
+    run)."""
+    return " ".join(shlex.quote(a.replace("{port}", "P").replace("{health}", "H"))
+                    for a in argv)
 
 
 def fill(argv: list[str], ctx: dict) -> list[str]:
