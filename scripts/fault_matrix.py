@@ -46,6 +46,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from netns import can_netns, namespace  # noqa: E402 - the tests' namespaces, shared
+from offers import answer_of, slow_upload, wav_data_url  # noqa: E402 - and their requests
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
@@ -993,17 +994,6 @@ def request_then_stop(method: str, path: str, body: Callable[[], bytes] | None, 
     return during
 
 
-def wav_url(rate: int, samples: int) -> str:
-    import base64
-    import io
-
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
-        w.writeframes(np.zeros(samples, np.int16).tobytes())
-    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def offer_with(**fields) -> Callable[[], bytes]:
     return lambda: json.dumps({"type": "offer", "sdp": "v=0\r\n", **fields}).encode()
 
@@ -1037,9 +1027,9 @@ def hostile_request_cases(serve: list[str]) -> list[Case]:
         case("serve-empty-speech", 400, "POST", "/offer",
              offer_with(speech="data:audio/wav;base64,"), "a 0-byte speech file"),
         case("serve-speech-at-1hz", 400, "POST", "/offer",
-             offer_with(speech=wav_url(1, 50_000)), "100 kB WAV declaring 1 Hz"),
+             offer_with(speech=wav_data_url(1, 50_000)), "100 kB WAV declaring 1 Hz"),
         case("serve-speech-601s", 400, "POST", "/offer",
-             offer_with(speech=wav_url(8000, 8000 * 601)), "601 s of speech"),
+             offer_with(speech=wav_data_url(8000, 8000 * 601)), "601 s of speech"),
         case("serve-stop-without-session", 400, "POST", "/stop", lambda: b"{}",
              "no session id"),
         case("serve-stop-another-session", 404, "POST", "/stop",
@@ -1055,28 +1045,17 @@ def uploads_in_flight(running: Running, ctx: dict) -> None:
         return
     port, held = ctx["port"], []
 
-    def slow(declared: int) -> socket.socket:
-        s = socket.create_connection(("127.0.0.1", port))
-        s.sendall(f"POST /offer HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
-                  f"application/json\r\nContent-Length: {declared}\r\n\r\n{{".encode())
-        return s
-
     def inflight() -> int:
         return json.loads(http_request(port, "GET", "/status")[1])["uploads_in_flight"]
 
     try:
         for k in range(4):
-            held.append(slow(1 << 20))
+            held.append(slow_upload(port, 1 << 20))
             deadline = time.monotonic() + 30
             while inflight() != k + 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
-        fifth = slow(1 << 20)
-        fifth.settimeout(30)
-        answer = b""
-        while b"\r\n\r\n" not in answer:
-            answer += fifth.recv(65536)
-        fifth.close()
-        head = answer.split(b"\r\n\r\n")[0].decode()
+        with slow_upload(port, 1 << 20) as fifth:
+            head, _ = answer_of(fifth)
         status = head.split()[1]
         retry = re.search(r"Retry-After: (\S+)", head)
         ctx["facts"]["fifth"] = f"{status} Retry-After {retry.group(1) if retry else None}"

@@ -24,6 +24,7 @@ import pytest
 from PIL import Image
 
 from engines import build_target
+from offers import answer_of, slow_upload, wav_data_url
 from procs import still_running
 
 pytestmark = pytest.mark.slow
@@ -220,16 +221,6 @@ def test_a_post_must_be_json_from_the_pages_own_origin_or_no_page(server):
     assert status == 400 and "could not be negotiated" in error_of(status, ctype, data)
 
 
-def wav_data_url(rate: int, samples: int) -> str:
-    import wave
-
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
-        w.writeframes(np.zeros(samples, np.int16).tobytes())
-    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 @pytest.mark.parametrize("fields,says", [
     ({"fit": ["cover"]}, "'fit' must be a string"),
     ({"background": {"r": 1}}, "'background' must be a string"),
@@ -271,14 +262,6 @@ def test_control_requests_act_only_on_the_session_they_name(server):
     assert server.request("/stop", json.dumps({"session": second}).encode())[0] == 200
 
 
-def slow_upload(port: int, declared: int) -> socket.socket:
-    """An offer whose headers declare `declared` bytes and whose body has barely begun."""
-    s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(f"POST /offer HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
-              f"application/json\r\nContent-Length: {declared}\r\n\r\n{{".encode())
-    return s
-
-
 @pytest.mark.parametrize("declared,admitted", [(1 << 20, 4), (60 << 20, 2)])
 def test_uploads_in_flight_are_capped_in_number_and_bytes(server, declared, admitted):
     """Offers whose bodies are still arriving hold the gate; past four at once, or 128 MB
@@ -290,12 +273,8 @@ def test_uploads_in_flight_are_capped_in_number_and_bytes(server, declared, admi
             held.append(slow_upload(server.port, declared))
             assert wait_for(lambda: inflight() == k + 1, 30), inflight()
         with slow_upload(server.port, declared) as s:  # answered before its body is read
-            s.settimeout(30)
-            answer = b""
-            while b"}" not in answer.partition(b"\r\n\r\n")[2]:
-                answer += s.recv(65536)
-        head, _, body = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 503") and b"\r\nRetry-After: 2\r\n" in head, head
+            head, body = answer_of(s)
+        assert head.startswith("HTTP/1.1 503") and "\r\nRetry-After: 2\r\n" in head, head
         assert "other uploads" in json.loads(body)["error"]
     finally:
         for s in held:

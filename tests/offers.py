@@ -1,0 +1,41 @@
+"""Requests a client of charrun --serve can make, for the tests and scripts/fault_matrix.py:
+speech as a data URL, and an offer whose body has barely begun to arrive."""
+
+import base64
+import io
+import socket
+import wave
+
+import numpy as np
+
+
+def wav_data_url(rate: int, samples: int) -> str:
+    """A silent 16-bit mono WAV of `samples` at `rate` Hz, as the page sends a file."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
+        w.writeframes(np.zeros(samples, np.int16).tobytes())
+    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def slow_upload(port: int, declared: int) -> socket.socket:
+    """An offer to 127.0.0.1:port whose headers declare `declared` bytes and whose body has
+    barely begun (one byte sent)."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"POST /offer HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+              f"application/json\r\nContent-Length: {declared}\r\n\r\n{{".encode())
+    return s
+
+
+def answer_of(s: socket.socket, timeout_s: float = 30.0) -> tuple[str, bytes]:
+    """(the response's head, its body) read from a socket whose request is answered with a
+    JSON body."""
+    s.settimeout(timeout_s)
+    answer = b""
+    while b"}" not in answer.partition(b"\r\n\r\n")[2]:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.decode(), body
