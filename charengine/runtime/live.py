@@ -366,28 +366,31 @@ class LiveSession:
         return base + (ahead - DEADLINE_MARGIN_FRAMES) / self.spec.fps - processing
 
     def _await_speech(self, i: int) -> None:
-        """Until step i's speech has arrived or its deadline has come (the audio thread).
-        Live speech (arriving as it is taken: no more than a frame's worth queued past the
-        take) complete well before its deadline plays later than it needs to (the phase a
-        session's start or a slow step left): its leading silence is dropped and the wait
-        goes on, so the latency comes back to the processing time in a pause."""
+        """Until step i's speech has arrived or its deadline has come (the audio thread);
+        why is kept in `take_reasons`."""
+        self.take_reasons.append(self._wait_for_speech(i))
+
+    def _wait_for_speech(self, i: int) -> str:
+        """Wait until step i's speech has arrived ("speech") or its deadline has come
+        ("deadline"). Live speech (arriving as it is taken: no more than a frame's worth
+        queued past the take) complete well before its deadline plays later than it needs to
+        (the phase a session's start or a slow step left): its leading silence is dropped
+        and the wait goes on, so the latency comes back to the processing time in a pause."""
         n = self.take_size(i)
         sample_rate = self.spec.side.sample_rate
         while not self.pipeline.stop.is_set():
             left = self.deadline() - self.pacer.clock()
             if left <= 0:
-                self.take_reasons.append("deadline")
-                return
+                return "deadline"
             if self.speech.wait_for(n, min(left, WAIT_POLL_S)):
                 lead = self.deadline() - self.pacer.clock()
-                if not (math.isfinite(lead) and lead > RESYNC_LEAD_FRAMES / self.spec.fps) \
-                        or self.speech.queued() - n > sample_rate / self.spec.fps \
-                        or not self.speech.drop_silence(
-                            int((lead - RESYNC_KEEP_FRAMES / self.spec.fps) * sample_rate)):
-                    # (more than a frame's worth queued past the take: not speech arriving
-                    # live, an uploaded clip, all of which plays)
-                    self.take_reasons.append("speech")
-                    return
+                if not (math.isfinite(lead) and lead > RESYNC_LEAD_FRAMES / self.spec.fps):
+                    return "speech"
+                if self.speech.queued() - n > sample_rate / self.spec.fps:
+                    return "speech"  # not speech arriving live (an uploaded clip): all plays
+                excess = lead - RESYNC_KEEP_FRAMES / self.spec.fps
+                if not self.speech.drop_silence(int(excess * sample_rate)):
+                    return "speech"
         raise Stopped
 
     def _encode_audio(self, i: int):
