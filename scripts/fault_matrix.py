@@ -309,7 +309,7 @@ def serve_cases() -> list[Case]:
         Case("serve-rank-dies-idle", "serve",
              ["charrun", "--engine", "cpu-tiny-tp2", "--serve", "--port", "{port}",
               "--health-port", "{health}"],
-             Expect(rc=0, facts=fact_is(not_ready_at_once=True, offer_refused=True,
+             Expect(rc=0, facts=fact_is(not_ready_at_once=True, offer_on_fresh_ranks=True,
                                         logged=True, ready_again=True)),
              setup=pick_ports, during=rank_dies_idle, timeout=120),
     ]
@@ -1069,7 +1069,8 @@ def uploads_in_flight(running: Running, ctx: dict) -> None:
 
 def rank_dies_idle(running: Running, ctx: dict) -> None:
     """A TP rank killed while the server is idle: /readyz and an offer from the moment its
-    process has exited, the log, and the ranks back."""
+    process has exited (the offer waits for the ranks started afresh: its SDP, read after
+    them, is refused), the log, and the ranks back."""
     if not running.wait_for("serving on", "stdout", timeout=80):
         ctx["notes"].append("never printed 'serving on'")
         return
@@ -1078,8 +1079,10 @@ def rank_dies_idle(running: Running, ctx: dict) -> None:
     ranks[-1].wait(10)
     t0 = time.monotonic()
     ready, body, _ = http_request(ctx["health"], "GET", "/readyz")
-    offer, said, _ = http_request(ctx["port"], "POST", "/offer", offer_with()())
-    ctx["facts"].update(not_ready_at_once=ready == 503, offer_refused=offer in (409, 503))
+    offer, said, _ = http_request(ctx["port"], "POST", "/offer", offer_with()(), timeout=60)
+    fresh = not {p.pid for p in rank_processes(running)} & {p.pid for p in ranks}
+    ctx["facts"].update(not_ready_at_once=ready == 503,
+                        offer_on_fresh_ranks=offer == 400 and fresh)
     logged = running.wait_for("died (exit -9)", timeout=10)
     while time.monotonic() - t0 < 60:
         if http_request(ctx["health"], "GET", "/readyz")[0] == 200:
@@ -1087,9 +1090,10 @@ def rank_dies_idle(running: Running, ctx: dict) -> None:
         time.sleep(0.1)
     back = time.monotonic() - t0
     ctx["facts"].update(logged=logged, ready_again=back < 60)
-    ctx["notes"].append(f"rank killed: /readyz {ready} ({json.loads(body).get('detail')}), "
-                        f"an offer {offer} ({json_error(said)}); logged: {logged}; ready "
-                        f"again {back:.1f} s later")
+    ctx["notes"].append(f"rank killed: /readyz {ready} ({json.loads(body).get('detail')}); "
+                        f"an offer waited for fresh ranks ({fresh}), then {offer} "
+                        f"({json_error(said)}); logged: {logged}; ready again {back:.1f} s "
+                        "later")
     stop_server(running)
 
 

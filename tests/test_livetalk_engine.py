@@ -128,7 +128,7 @@ def test_a_live_session_speaks_listens_and_barges_in(engine_dir):
     assert not [t for t, v, _ in log if v and t > t_int]
     assert any(not v for t, v, _ in log if t > t_int)  # listening again
     assert log[0][2] == (3, TINY.out_h, TINY.out_w)
-    assert s.pacer.fps == 16 and s.pacer.frames_per_step == 4  # paced at the model's rate
+    assert s.pacer.fps == 16 and s.pacer.frames_per_step == TINY.frames_per_latent  # paced
 
 
 def test_the_diffusion_in_its_own_process_gives_the_same_frames(engine_dir, tmp_path):

@@ -72,7 +72,6 @@ ERROR_FLUSH_S = 0.2  # lets an error message leave before the peer closes
 MAX_NAME_CHARS = 80  # an uploaded file's name, as messages quote it
 TOKEN_BYTES = 16  # a session id's randomness (secrets.token_urlsafe: 22 characters)
 MAX_CHANNEL_MESSAGE = 4096  # the longest message the events channel reads
-RANKS_RETRY_AFTER_S = 5  # what an offer refused while the TP ranks restart is told to wait
 STATIC = "static"  # the page's files, package data of charengine.runtime
 
 
@@ -309,13 +308,11 @@ class Server:
         return image, speech, notes
 
     def _unavailable(self) -> web.Response | None:
-        """The answer to an offer that cannot be taken now, before its body is read."""
-        if self.served is not None or self.lock.locked():
+        """The answer to an offer that cannot be taken now, before its body is read (an offer
+        that arrives while a TP engine's ranks start afresh waits for them: its session
+        starts on the fresh group, never on the dead one)."""
+        if self.served is not None:
             return _error(409, "busy: one session at a time; try again when it ends")
-        alive = getattr(self.worker, "alive", None)
-        if alive is not None and not alive():
-            return _error(503, "the model's ranks are starting afresh (one stopped); try "
-                               "again in a few seconds", RANKS_RETRY_AFTER_S)
         return None
 
     async def _offer_body(self, request) -> dict:
