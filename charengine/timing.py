@@ -4,7 +4,7 @@ perf_counter.
 
     median(xs) -> float                 the median of the values (statistics.median)
     Span(device=None, wall=False)       a `with` block's milliseconds, read as `.ms` after it
-    DeviceSpan(device=None)             the work queued until .end(), its device time read
+    DeviceSpan(device=None)             the work queued until .end(), its busy time read
                                         later without waiting (.seconds()): what charrun's
                                         figures use
     Mark(fn, device=None)               fn() run and its start and end recorded without waiting
@@ -113,7 +113,7 @@ class DeviceSpan:
     perf_counter (the host's time, which on a CPU is the work's). `seconds()` reads it once the
     work is done (None before; wait=True waits for it); `done` is the end event to make
     another stream wait on (None off CUDA). What charrun's figures are made of: a step's
-    diffusion, decode and audio encoding each report the device time of their own work."""
+    diffusion, decode and audio encoding each report the busy time of their own work."""
 
     def __init__(self, device=None):
         self.cuda = _device(device).type == "cuda"

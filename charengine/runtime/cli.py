@@ -48,7 +48,7 @@ def summary_table(times, steps_done: int, frames: int, wall_s: float, fps: int):
     t.add_column("ms per step")
     for c in ("p50", "p90", "p99", "max"):
         t.add_column(c, justify="right")
-    # each part's device time (GPU time on a GPU); the period between steps' frames leaving
+    # each part's busy time (GPU time on a GPU); the period between steps' frames leaving
     # the decoder, which waits for its work, on the host's clock
     ends = [e for _, e in times.decode]
     rows = {"audio encoder": [1e3 * s for s in times.busy_s("audio")],

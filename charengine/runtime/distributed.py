@@ -7,7 +7,7 @@ Per step i, rank 0 encodes audio i and broadcasts it, then receives latent i-1 f
 and decodes it while the TP group denoises step i. The TP group sends latent i without
 waiting (isend) and joins the next broadcast, so every hand-off holds one item: depth-one
 queues with backpressure. Each rank records when it starts and ends its work per step
-(time.monotonic is one clock for all processes of a machine) and the step's device time (a
+(time.monotonic is one clock for all processes of a machine) and the step's busy time (a
 DeviceSpan: GPU time on a GPU), which goes to rank 0 with a live step's latent, or with a
 render's times at its end.
 
@@ -193,7 +193,7 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                         for work in pending:
                             work.wait()
                         pending = [dist.isend(latent.contiguous(), 0)]
-                        if cmd[0] == CMD_STREAM:  # a live step's device time rides with it
+                        if cmd[0] == CMD_STREAM:  # a live step's busy time rides with it
                             pending.append(dist.isend(busy, 0))
                     i += 1
                 for work in pending:
@@ -495,7 +495,7 @@ class RemotePipeline(Pipeline):
         dist.broadcast(feats.cpu().contiguous(), 0)
         latent = torch.empty(self.lat)
         dist.recv(latent, 1)
-        busy = torch.empty(1, dtype=torch.float64)  # the step's device time on the TP ranks
+        busy = torch.empty(1, dtype=torch.float64)  # the step's busy time on the TP ranks
         dist.recv(busy, 1)
         return Timed(latent, float(busy))
 

@@ -5,7 +5,7 @@
     sink (caller's thread): take the frames of step i-2, write or play them
 
 Every queue holds one item, so a slow stage holds the others back (backpressure). Each stage
-records when it starts and ends each step on the host, and the device time of its work where
+records when it starts and ends each step on the host, and the busy time of its work where
 it reports one (a stage's output as `Timed`: on a GPU the work a stage launches outlives its
 call, so its host interval is not its time); a failure in any stage stops all of them and is
 raised in the caller's thread.
@@ -30,12 +30,12 @@ import torch
 from charengine.timing import DeviceSpan
 
 
-PARTS = ("audio", "diffusion", "decode")  # the stages whose device time is reported
+PARTS = ("audio", "diffusion", "decode")  # the stages whose busy time is reported
 
 
 @dataclass
 class Timed:
-    """A stage's output with the device time of its work: a DeviceSpan (read when the work
+    """A stage's output with the busy time of its work: a DeviceSpan (read when the work
     is done) or seconds (measured elsewhere: a TP rank's). A stage may return one; the
     pipeline records its time (StepTimes.busy) and hands the output on whole to the next
     stage (a diffusion's to the decoder, which waits for the span's `done`)."""
@@ -47,9 +47,9 @@ class Timed:
 class StepTimes:
     """Per step, in order: each stage's host interval (start, end) on perf_counter, which
     says when things happened and what overlapped (on a GPU a stage's host interval is its
-    launch, or its launch and a wait, not its work), and `busy`, each stage's device time as
-    its stage reported it (PARTS; a DeviceSpan until read), which says how long the work
-    took: the figures charrun reports (`busy_s`)."""
+    launch, or its launch and a wait, not its work), and `busy`, each stage's busy time (how
+    long its work took on its device: GPU time on a GPU) as the stage reported it (PARTS; a
+    DeviceSpan until read): the figures charrun reports (`busy_s`)."""
     audio: list[tuple[float, float]] = field(default_factory=list)
     diffusion: list[tuple[float, float]] = field(default_factory=list)
     decode: list[tuple[float, float]] = field(default_factory=list)
@@ -72,14 +72,14 @@ class StepTimes:
 
     def busy_s(self, part: str) -> list[float]:
         """Every step's device seconds in `part`, its work waited for (after a run); the
-        host intervals' lengths where the stage reported no device time."""
+        host intervals' lengths where the stage reported no busy time."""
         if not self.busy[part]:
             return [e - s for s, e in getattr(self, part)]
         return [self.busy_step_s(part, i, wait=True) for i in range(len(self.busy[part]))]
 
 
 def _unwrap(times: StepTimes, part: str, out):
-    """A stage's output with its device time recorded (where it reported one)."""
+    """A stage's output with its busy time recorded (where it reported one)."""
     if isinstance(out, Timed):
         times.add_busy(part, out.span)
         return out.value

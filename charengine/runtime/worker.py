@@ -143,7 +143,7 @@ class Worker:
         the GPU, after the work queued so far on the current stream, which made it). The
         result is complete on return, and a GPU result is the current stream's own copy (the
         side stream's memory may be reused at once). `timed`: the result as Timed, with the
-        device time of fn's work (pipeline.Timed)."""
+        busy time of fn's work (pipeline.Timed)."""
         if self.side_stream is None:
             span = DeviceSpan(self.decoder_device)
             out = fn(*inputs)
@@ -192,7 +192,7 @@ class Worker:
 
     def _encode_window(self, window: torch.Tensor, i: int, timed: bool = False):
         """Step i's audio features from its encoder window, on the side stream (`timed`: as
-        Timed, with the encoder's device time)."""
+        Timed, with the encoder's busy time)."""
         return self.on_side_stream(lambda x: self.family.encode_audio(
             self.side, self.spec, x.to(self.decoder_device), i), window, timed=timed)
 
@@ -235,7 +235,7 @@ class Worker:
             noise = torch.randn(shape, generator=g).to(self.device)
             span = DeviceSpan(self.device)
             latent = self.session.step(noise, feats.to(self.device))
-            # the step's device time; the decoder waits for its end (span.done): this step
+            # the step's busy time; the decoder waits for its end (span.done): this step
             # only, not the next one's work
             return Timed(latent, span.end())
 
