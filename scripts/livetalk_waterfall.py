@@ -29,7 +29,7 @@ from charengine.livetalk.spec import (LiveTalkSwitches, WATERFALL_FP8_GEMM,
                                       WATERFALL_PLAIN, WATERFALL_PRODUCTION, waterfall_arms)
 
 LAYOUT = "tp1"  # LiveTalk runs on one GPU
-GOAL_MS = {"livetalk-1.3b": 105.0}  # diffusion per chunk, issue 24's goal
+GOAL_MS = {"livetalk-1.3b": 105.0}  # diffusion per chunk: LiveTalk's goal
 LABELS = {WATERFALL_PLAIN: "Plain (bf16)", "baked_adaln": "+AdaLN tables",
           "text_kv_once": "+Text K/V once", "ring_cache": "+Ring cache (graphs)",
           "rope_tables": "+RoPE tables", "position_reset": "+Position reset",

@@ -72,7 +72,7 @@ def test_tp7_splits_unevenly_and_aligned():
     spec = PRESETS["characters-57b"]
     heads = [RankShape.of(spec, 7, r).heads for r in range(7)]
     assert heads == [9, 9, 9, 9, 8, 8, 8]
-    # 30,720 / 7 is not whole: blocks of 128 go unevenly (DESIGN.md §7: _scaled_mm needs x16)
+    # 30,720 / 7 is not whole: blocks of 128 go unevenly (_scaled_mm needs a multiple of 16)
     assert [RankShape.of(spec, 7, r).mlp for r in range(7)] == [4480, 4480, 4352, 4352, 4352,
                                                                   4352, 4352]
 

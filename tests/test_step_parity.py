@@ -1,4 +1,4 @@
-"""The write-time path against the paper's baseline, over long rollouts (DESIGN.md §3)."""
+"""The write-time path against the paper's baseline, over long rollouts."""
 
 import dataclasses
 

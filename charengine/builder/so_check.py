@@ -1,5 +1,5 @@
 """The static-libstdc++ trap: a shared object built by a compiler driver whose search path
-has no libstdc++.so (the GPU image's default CXX, DESIGN.md §7) links libstdc++ statically,
+has no libstdc++.so (the GPU image's default CXX) links libstdc++ statically,
 and loading it next to torch's own libstdc++ crashes (AOTInductor packages segfaulted in
 their first std::regex). charbuild checks every shared object it puts into an engine.
 

@@ -44,7 +44,7 @@ TINY_SIDE = SideSpec(n_mels=40, audio_context=24, audio_width=32, audio_layers=1
 class ModelSpec:
     """Shapes of the characters DiT. Everything else (token counts, widths) is derived.
 
-    The `characters-57b` numbers that the paper does not state are inferred (DESIGN.md §2):
+    The `characters-57b` numbers that the paper does not state are inferred:
     - width 7680 = 60 heads x 128: 16 d^2 = 944M parameters per block, 56.6B in 60 blocks
       (the paper's "about 57B"), and 60 heads split whole over 2..6 ranks;
     - a parallel block (attention and MLP side by side): one input projection

@@ -1,4 +1,4 @@
-"""The in-process pipeline of DESIGN.md §4: three steps in flight, depth-one queues.
+"""The in-process pipeline: three steps in flight, depth-one queues.
 
     rank 0 (decoder side):  encode audio i, hand it over; then decode latent i-1
     diffusion:              take audio i, denoise latent i, hand it over
