@@ -1,12 +1,20 @@
-"""Digests of the tiny presets' rollouts under every switch arm and numerics, TP-1 in this
-process and TP-3 as real processes over gloo: a refactor that must not change behaviour
-leaves every digest as it was.
+"""Digests of the tiny presets' rollouts under every switch arm and numerics, for both
+families: a refactor that must not change behaviour leaves every digest as it was.
+
+- characters (`tiny`, `tiny-d64`, `tiny-10h`): every cumulative switch arm, every switch off
+  alone, the epilogue and numerics variants at TP-1 in this process, and five arms at TP-3
+  as real processes over gloo;
+- livetalk (`tiny-livetalk`): the baseline, every cumulative switch arm, every switch off
+  alone, every waterfall arm (scripts/livetalk_waterfall.py's), every numerics arm
+  (scripts/livetalk_numerics.py's) and the benchmark arms, at TP-1 in this process; and the
+  frames of a render through the engines `cpu-tiny-livetalk` (in this process) and
+  `cpu-tiny-livetalk-x2` (the diffusion in a process of its own over gloo).
 
     python scripts/rollout_digest.py --out digests.json [--against before.json]
 
-Each arm's rollout (random weights, seed 0; inputs seed 1) is hashed as its exact bytes
-(sha256 of the fp32 latents). --against compares with an earlier run and exits 1 on any
-difference, naming the arms that changed."""
+Each arm's rollout (random weights, seed 0; inputs seed 1, LiveTalk's chunks seed 2) is
+hashed as its exact bytes (sha256 of the fp32 latents, or the rendered frames). --against
+compares with an earlier run and exits 1 on any difference, naming the arms that changed."""
 
 from __future__ import annotations
 
@@ -24,12 +32,14 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from charengine.config import Numerics, Switches, preset  # noqa: E402
+from charengine.config import EngineConfig, Numerics, Switches, preset  # noqa: E402
 from charengine.runtime.distributed import free_port  # noqa: E402
 from rollout import rollout  # noqa: E402
 
 STEPS = 45  # one reset (step 42), calibration and several ring wraps
 TP = 3
+CHUNKS = 14  # LiveTalk: the cache's filling chunks, calibration and four position resets
+RENDER_S = 3.0  # seconds of speech a LiveTalk engine renders
 
 
 def arms() -> dict[str, tuple[str, Switches, Numerics]]:
@@ -61,6 +71,86 @@ def arms() -> dict[str, tuple[str, Switches, Numerics]]:
 
 
 TP_ARMS = ("baseline", "upto-fused_gemm_allreduce", "epilogues", "fp32", "no-fp8-gemm")
+
+
+def livetalk_arms() -> dict[str, EngineConfig]:
+    """name -> the tiny-livetalk config of each LiveTalk arm (see the module's doc)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from livetalk_numerics import ARMS as NUMERICS_ARMS, REFERENCE, arm_cfg
+
+    from charengine.livetalk.spec import (ARMS as BENCH_ARMS, TINY, LiveTalkSwitches,
+                                          arm_config, waterfall_arms, waterfall_config)
+
+    base = EngineConfig(model=TINY, switches=LiveTalkSwitches(),
+                        numerics=Numerics(dtype="bfloat16"))
+    fp32 = Numerics(dtype="float32", fp8_gemm=False, fp8_attention=False)
+    out = {"baseline": base.replace(switches=LiveTalkSwitches.baseline(), numerics=fp32)}
+    for upto in LiveTalkSwitches.ORDER:  # fp32, the cache in fp32 (as the parity tests)
+        sw = dataclasses.replace(LiveTalkSwitches.cumulative(upto), fp8_kv=False)
+        out[f"upto-{upto}"] = base.replace(switches=sw, numerics=fp32)
+    for name in LiveTalkSwitches.ORDER:  # where the others run without it
+        try:
+            out[f"no-{name}"] = base.replace(
+                switches=dataclasses.replace(base.switches, **{name: False}))
+        except ValueError:
+            continue
+    for arm in waterfall_arms():
+        out[f"waterfall-{arm}"] = waterfall_config(base, arm)
+    for arm in NUMERICS_ARMS:
+        if arm != REFERENCE:
+            out[f"numerics-{arm}"] = arm_cfg(base, arm)
+    for arm in BENCH_ARMS:
+        out[f"bench-{arm}"] = arm_config(base, arm)
+    return out
+
+
+def livetalk_rollout(cfg: EngineConfig, chunks: int = CHUNKS) -> torch.Tensor:
+    """Every chunk's latent of an eager CPU session of `cfg` (weights seed 0; reference and
+    prompt seed 1, the chunks' noise and features seed 2)."""
+    from charengine.assemble import rank_session
+    from charengine.family import family
+    from charengine.mapping import Mapping
+
+    fam, spec = family("livetalk"), cfg.model
+    full = fam.random_weights(spec, 0)
+    tables = fam.bake_tables(cfg, full) if cfg.switches.baked_adaln else None
+    s = rank_session(cfg, fam.rank_state(cfg, full), Mapping.single("cpu"), tables=tables)
+    g = torch.Generator().manual_seed(1)
+    shapes = fam.step_shapes(spec)
+    with torch.inference_mode():
+        s.start(torch.randn(spec.latent_channels, spec.latent_h, spec.latent_w, generator=g),
+                torch.randn(spec.prompt_tokens, spec.text_dim, generator=g))
+        g = torch.Generator().manual_seed(2)
+        ins = [(torch.randn(shapes.noise_shape, generator=g),
+                torch.randn(shapes.features, generator=g)) for _ in range(chunks)]
+        return torch.stack([s.step(n, a).float() for n, a in ins])
+
+
+def livetalk_renders() -> dict[str, str]:
+    """Digests of the frames a render makes through the engines cpu-tiny-livetalk and
+    cpu-tiny-livetalk-x2 (random weights, seed 0), the same speech and image."""
+    from engines import build_target
+
+    from charengine.runtime.distributed import open_worker
+    from charengine.runtime.engine import Engine
+
+    g = torch.Generator().manual_seed(3)
+    speech = torch.randn(int(RENDER_S * 16000), generator=g) * 0.1
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        for target in ("cpu-tiny-livetalk", "cpu-tiny-livetalk-x2"):
+            worker = open_worker(Engine.load(build_target(Path(d), target)))
+            try:
+                spec = worker.spec
+                image = torch.rand(3, spec.out_h, spec.out_w, generator=g.manual_seed(4))
+                frames = []
+                worker.start(image, "")
+                worker.run(speech, worker.family.steps_for(spec, speech.numel()),
+                           lambda i, f: frames.append(f.clone()))
+            finally:
+                worker.close()
+            out[f"livetalk/render/{target}"] = digest(torch.cat(frames))
+    return out
 
 
 def digest(t: torch.Tensor) -> str:
@@ -99,6 +189,9 @@ def main():
         mp.start_processes(_tp_worker, args=(free_port(), tp_cfgs, str(out)), nprocs=TP,
                            start_method="spawn")
         found.update({f"tp{TP}/{k}": v for k, v in json.loads(out.read_text()).items()})
+    for name, cfg in livetalk_arms().items():
+        found[f"livetalk/tp1/{name}"] = digest(livetalk_rollout(cfg))
+    found.update(livetalk_renders())
     args.out.write_text(json.dumps(found, indent=1) + "\n")
     print(f"{len(found)} rollouts of {STEPS} steps digested -> {args.out}")
     if args.against:
