@@ -114,14 +114,16 @@ def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no
     checksums that charrun checks before loading."""
     from .build import build
 
-    # SIGTERM (docker stop, timeout) unwinds like Ctrl-C: the staging directory is removed
+    # SIGTERM (docker stop, timeout) and SIGHUP (a closed terminal) unwind like Ctrl-C: the
+    # staging directory is removed
     stopped_by = []
 
-    def on_sigterm(*_):
-        stopped_by.append(signal.SIGTERM)
+    def on_signal(signum, _frame):
+        stopped_by.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
 
     side_files = {"vae": vae, "wav2vec": wav2vec, "prompt_features": prompt_features,
                   "text_encoder": text_encoder, "prompt": prompt}
