@@ -156,9 +156,11 @@ class Worker:
             for x in inputs:
                 if isinstance(x, torch.Tensor) and x.is_cuda:
                     x.record_stream(self.side_stream)
-            span = DeviceSpan(self.decoder_device)  # begins once `after` has been waited for
+            # begins once `after` has been waited for
+            span = DeviceSpan(self.decoder_device) if timed else None
             out = fn(*inputs)
-            span.end()
+            if span is not None:
+                span.end()
         self.side_stream.synchronize()
         out = out.clone() if isinstance(out, torch.Tensor) and out.is_cuda else out
         return Timed(out, span) if timed else out
