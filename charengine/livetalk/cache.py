@@ -90,8 +90,12 @@ class ChunkCache:
         # head_dim, slots], as the attention kernel reads them) and their scales [blocks,
         # heads, 1, 1]
         self.text8: tuple[torch.Tensor, ...] | None = None
-        self.calibrate_fp8 = calibrate.select() if sw.fused_calibration else None
-        self.rotate_fp8 = delta_rotation.select() if sw.fused_delta_rotation else None
+        # the FP8 cache's calibration and delta rotation, chosen once: the fused kernels or
+        # their plain references (the plugins')
+        self.calibrate_fp8 = calibrate.select() if sw.fused_calibration \
+            else calibrate.reference
+        self.rotate_fp8 = delta_rotation.select() if sw.fused_delta_rotation \
+            else delta_rotation.reference
 
     def kv_bytes(self) -> int:
         """Bytes the K/V stores hold (shared: the FP8 cache inside the wide one's buffers)."""
@@ -189,21 +193,16 @@ class ChunkCache:
         return (self.k8, self.v8.transpose(2, 3)) if self.quantized else (self.k, self.v)
 
     def delta_rotate(self) -> None:
-        """Turn every cached window key back by reset_period chunks of positions, one block
-        at a time (the fp32 temporaries are one block's window, not every block's)."""
+        """Turn every cached window key back by reset_period chunks of positions: the FP8
+        cache's by rotate_fp8 (its plain reference goes a block at a time, so the fp32
+        temporaries are one block's window), the wide cache's one block at a time."""
         delta = -float(self.R * self.F)
         lo = self.sink_slots
-        if self.quantized and self.rotate_fp8 is not None:  # every block in one kernel
+        if self.quantized:
             self.rotate_fp8(self.k8, self.scale[:, 0], lo, self.rope.omega_t, delta)
             return
         for b in range(self.spec.n_blocks):
-            if self.quantized:
-                ks = self.scale[b, 0]
-                k = self.k8[b, :, lo:].float() * ks
-                rot = rotate_temporal(k, self.rope.omega_t, delta)
-                self.k8[b, :, lo:] = fp8.quantize(rot, ks)
-            else:
-                self.k[b, :, lo:] = rotate_temporal(self.k[b, :, lo:], self.rope.omega_t, delta)
+            self.k[b, :, lo:] = rotate_temporal(self.k[b, :, lo:], self.rope.omega_t, delta)
 
     def end_chunk(self) -> None:
         self.chunk += 1
@@ -245,28 +244,17 @@ class ChunkCache:
 
     def calibrate(self, n: int) -> None:
         """Set the FP8 scales from the first n slots of every block and quantize them, one
-        block at a time (the fp32 temporaries are one block's, not the whole cache's; with
-        shared stores, block b's values are copied out before its FP8 bytes are written)."""
+        block at a time (the fp32 temporaries are one block's, not the whole cache's)."""
         margin = self.cfg.cache.scale_margin
-        w = self.wide_slots
         for b in range(self.spec.n_blocks):
-            if self.calibrate_fp8 is not None:
-                self._calibrate_block(b, n, margin)
-                continue
-            k, v = self.k[b].clone(), self.v[b].clone()
-            amax = torch.stack([k[:, :n].float().abs().amax(dim=(1, 2)),
-                                v[:, :n].float().abs().amax(dim=(1, 2))])
-            self.scale[b].copy_((amax.clamp_min(fp8.TINY) * margin / fp8.FP8_MAX)[..., None, None])
-            self.k8[b, :, :w].copy_(fp8.quantize(k, self.scale[b, 0]))
-            self.v8[b, :, :, :w].copy_(fp8.quantize(v, self.scale[b, 1]).transpose(1, 2))
+            self._calibrate_block(b, n, margin)
         self.quantized = True
 
     def _calibrate_block(self, b: int, n: int, margin: float) -> None:
-        """Block b's scales from its first n slots, and those slots quantized, by the fused
-        kernels (fused_calibration): the ops above's bytes in those slots (they also quantize
-        the wide cache's slots past n, which every chunk writes before it reads them). With
-        shared stores a block whose FP8 bytes reach into its own wide bytes is copied out
-        first."""
+        """Block b's scales from its first n slots, and those slots quantized, by
+        calibrate_fp8 (the fused kernels or their reference; the slots past n are written by
+        every chunk before it reads them). With shared stores a block whose FP8 bytes reach
+        into its own wide bytes is copied out first."""
         k, v = self.k[b:b + 1, :, :n], self.v[b:b + 1, :, :n]
         if self.shared and (b + 1) * self.k8[b].nbytes > b * self.k[b].nbytes:
             k, v = k.clone(), v.clone()
