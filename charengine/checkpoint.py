@@ -1,9 +1,11 @@
 """Reading and checking a checkpoint, for any model family: safetensors only (nothing is ever
 unpickled), and every tensor checked against the family's layout, the first mismatch one
-CheckpointError line naming the tensor."""
+CheckpointError line naming the tensor. And the random checkpoints of benchmarks and tests:
+each tensor drawn from a seed of its own name (`seeded_randn`)."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -15,6 +17,14 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class CheckpointError(ValueError):
     pass
+
+
+def seeded_randn(name: str, shape: tuple[int, ...], seed: int, device="cpu") -> torch.Tensor:
+    """Standard normal values for tensor `name` of a random checkpoint of `seed`, from a
+    generator seeded by the name, so any one tensor can be made without the rest (CPU and
+    CUDA generators give different streams)."""
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=g, device=device)
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

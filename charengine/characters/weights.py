@@ -19,14 +19,13 @@ Only safetensors are read: no pickle is ever loaded.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from .. import fp8
-from ..checkpoint import check_tensors, read_safetensors
+from ..checkpoint import check_tensors, read_safetensors, seeded_randn
 from .spec import ModelSpec, RankShape
 
 
@@ -61,8 +60,7 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype=torch.floa
     """One tensor of the random checkpoint; seeded per name, so a builder can make any one
     tensor without the rest (the stream differs between CPU and CUDA generators). Scaled so
     the AR rollout stays bounded."""
-    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    t = torch.randn(shape, generator=g, device=device)
+    t = seeded_randn(name, shape, seed, device)
     if name.endswith("norm"):
         t = 1.0 + 0.1 * t
     elif name.endswith("bias"):

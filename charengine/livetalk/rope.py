@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rope import rotate
+from ..rope import rotate, rotate_temporal_f32
 from .spec import LiveTalkSpec
 
 
@@ -68,11 +68,7 @@ def rotate_temporal(x: torch.Tensor, omega_t: torch.Tensor, delta: float) -> tor
     """The delta rotation: x [..., D] with its temporal pairs turned by omega_t * delta
     (float64 angles, fp32 math), the rest unchanged; result in x's dtype."""
     nt = omega_t.shape[0]
-    a = omega_t * delta
-    c, s = torch.cos(a).float(), torch.sin(a).float()
-    pairs = x[..., : 2 * nt].float().unflatten(-1, (nt, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rot = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
+    rot = rotate_temporal_f32(x[..., : 2 * nt].float(), omega_t, delta)
     return torch.cat([rot.to(x.dtype), x[..., 2 * nt:]], dim=-1)
 
 

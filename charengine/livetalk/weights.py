@@ -19,14 +19,13 @@ on; everything else stays in the checkpoint's precision, cast to the model's dty
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from .. import fp8
-from ..checkpoint import check_tensors, read_safetensors
+from ..checkpoint import check_tensors, read_safetensors, seeded_randn
 from .spec import LiveTalkSpec
 
 
@@ -74,8 +73,7 @@ def block_linears(spec: LiveTalkSpec) -> list[str]:
 def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype=torch.bfloat16):
     """One tensor of a random checkpoint, seeded per name (any one tensor can be made alone),
     scaled like PyTorch's default initialization so a rollout stays bounded."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    t = torch.randn(shape, generator=g)
+    t = seeded_randn(name, shape, seed)
     if name.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight", "norm_out.weight")):
         t = 1.0 + 0.1 * t
     elif name.endswith("bias"):
