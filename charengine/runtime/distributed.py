@@ -410,8 +410,8 @@ class DistributedWorker:
     # ---- sessions -------------------------------------------------------------------
     def on_side_stream(self, fn, *inputs, timed: bool = False):
         """As Worker's: here the side networks have the host process's device to
-        themselves, so fn runs on its current stream (`timed`: as Timed, with fn's device
-        time)."""
+        themselves, so fn runs on its current stream (`timed`: as Timed, with the busy time
+        of fn's work)."""
         span = DeviceSpan(self.decoder_device)
         out = fn(*inputs)
         return Timed(out, span.end()) if timed else out
@@ -504,9 +504,8 @@ class RemotePipeline(Pipeline):
         the side networks' warm-up ran), as Worker.pipeline's render decodes them."""
         w, latent = self.worker, item.value
         pieces = w.family.decode_pieces(w.side, latent) or (latent,)
-        span = DeviceSpan(w.decoder_device)
-        frames = torch.cat([w.side.decoder(p.to(w.decoder_device)).cpu() for p in pieces])
-        return Timed(frames, span.end())
+        return w.on_side_stream(lambda *ps: torch.cat(
+            [w.side.decoder(p.to(w.decoder_device)).cpu() for p in ps]), *pieces, timed=True)
 
     def run(self, steps, sink) -> StepTimes:
         w = self.worker

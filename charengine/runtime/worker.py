@@ -200,7 +200,7 @@ class Worker:
 
     def _decode(self, latent: torch.Tensor, after=None, timed: bool = False):
         """The decoder's frames of `latent` on the host, decoded on the side stream after
-        the event `after` (on_side_stream; `timed`: as Timed, with the decoder's device
+        the event `after` (on_side_stream; `timed`: as Timed, with the decoder's busy
         time)."""
         return self.on_side_stream(
             lambda x: self.side.decoder(x.to(self.decoder_device)).cpu(), latent, after=after,
