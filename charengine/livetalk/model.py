@@ -7,22 +7,21 @@ the noisy latent with the reference latent and its mask, additive audio before b
 2 .. n_blocks // 2, then per block: gated self-attention over the block's cache (the chunk's
 K/V written first), cross-attention to the prompt, gated GELU FFN; the head's modulated
 norm and projection. The AdaLN modulation of pass p comes from its timestep: from the baked
-tables (baked_adaln) or the time MLPs per call."""
+tables (baked_adaln) or the time MLPs per call. Every op runs through the block's ops
+(ops.py), chosen once at construction: the forward below is straight-line code that reads no
+switch."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from .. import fp8
-from ..ops import gated_residual, gated_residual_once, gelu_tanh, modulate
+from ..ops import gelu_tanh, modulate
 from ..ops import rms_norm_width as rms_norm
-from ..plugins import act_quant, attention, pre_attention_width, rms_norm as rms_norm_op
 from ..plugins import gemm as gemm_mod
 from .cache import ChunkCache
-from .rope import ComplexRotation, TableRotation
+from .ops import BlockOps, Heads, add_pending
 from .spec import LiveTalkSpec
 
 
@@ -46,40 +45,24 @@ class LiveTalkDiT:
         self.dtype = getattr(torch, cfg.numerics.dtype)
         self.w = {k: v.to(self.device) if v.dtype == fp8.FP8 or k.endswith("weight_scale")
                   else v.to(self.device, self.dtype) for k, v in state.items()}
-        sw = cfg.switches
-        if sw.fused_qkv:
+        if cfg.switches.fused_qkv:
             self.w = fuse_qkv(self.w, self.spec.n_blocks)
-        self.fast_accum = cfg.numerics.fast_accum and self.device.type == "cuda"
-        self.gemms = self._gemms(gemm_plan or {})
-        self.audio_at = audio_block_index(self.spec)
-        # the kernels, chosen once: fused quantization (kernels on CUDA tensors, their
-        # references on CPU ones) or the plain per-linear quantization
-        self.fp8_linears = any(v.dtype == fp8.FP8 for v in self.w.values())
-        self.act = act_quant.select() if sw.fused_act_quant else act_quant.plain()
-        tiles = attention.SPLIT_TILES if sw.split_attention else attention.AttentionTiles()
-        self.attend8 = attention.select(
-            self.spec.head_dim,
-            dataclasses.replace(tiles, pipelined=True) if sw.pipelined_attention else tiles)
-        self.pre_attention = pre_attention_width.op if sw.fused_pre_attention else None
-        self.pre_attention_wide = pre_attention_width.op if sw.fused_wide_pre_attention \
-            else None
-        self.q_norm = rms_norm_op.select() if sw.fused_q_norm else rms_norm
-        # the cross-attention in FP8 (the prompt's K/V quantized at session start)
-        self.fp8_cross = sw.fp8_cross_attention and sw.text_kv_once and \
-            cfg.numerics.fp8_attention
-        self.q_norm_quant = rms_norm_op.select_heads_quant()
-        self.attend8_cross = attention.select(self.spec.head_dim, attention.CROSS_TILES)
-        # the fused epilogues that hand their FP8 quantization to the next linear
-        self.fused_residual = self.fused_input and sw.fused_residual
-        self.fused_gelu = self.fp8_linears and sw.fused_gelu_quant
-        self.ones = torch.ones(self.spec.dim, device=self.device, dtype=self.dtype)
-        if sw.baked_adaln:
+        self.ops = BlockOps(cfg, self.w, self.device, self.dtype, self._gemms(gemm_plan or {}),
+                            self.cross_kv)
+        self.linear, self.heads = self.ops.linear, Heads(self.spec)
+        self.audio_at = [audio_block_index(self.spec).get(b) for b in range(self.spec.n_blocks)]
+        # the pass's modulation, chosen once: the baked tables or the time MLPs per call
+        if cfg.switches.baked_adaln:
             tables = tables if tables is not None else self.bake_tables()
             self.adaln = tables["adaln_table"].to(self.device, self.dtype)
             self.head_mod = tables["head_table"].to(self.device, self.dtype)
+            self.modulations = self.baked_modulations
+        else:
+            self.modulations = self.computed_modulations
+        self.rope = self.ops.rope
+        self.kv_once = cfg.switches.text_kv_once
         self.ref = self.y_first = self.y_next = self.context = None
 
-    # ---- linears -------------------------------------------------------------------------
     def _gemms(self, plan: dict) -> dict:
         """Each FP8 linear kind's GEMM: the builder's choice on a GPU, else _scaled_mm (or
         its exact emulation)."""
@@ -88,30 +71,18 @@ class LiveTalkDiT:
         return {kind: gemm_mod.select(choice, "plain", self.device)
                 for kind, choice in plan.items()}
 
-    def linear(self, name: str, x, kind: str | None = None) -> torch.Tensor:
-        """x: activations, or (for FP8 weights) their per-token quantization (q, scale),
-        made once by the caller for the linears that share it."""
-        w, b = self.w[f"{name}.weight"], self.w[f"{name}.bias"]
-        if w.dtype != fp8.FP8:
-            return F.linear(x, w, b)
-        aq, a_s = x if isinstance(x, tuple) else \
-            self.act.quantize_rows(x.reshape(-1, x.shape[-1]))
-        gemm = self.gemms.get(kind, fp8.scaled_mm) if aq.shape[0] == self.spec.chunk_tokens \
-            else fp8.scaled_mm
-        ws = self.w[f"{name}.weight_scale"]
-        if self.cfg.switches.gemm_bias and gemm_mod.takes_bias(gemm):
-            return gemm(aq, a_s, w, ws, self.dtype, self.fast_accum, bias=b)
-        return gemm(aq, a_s, w, ws, self.dtype, self.fast_accum) + b
-
     # ---- the timestep's modulation -------------------------------------------------------
     def time_embedding(self, timestep: float) -> torch.Tensor:
         e = sinusoid(timestep, self.spec.freq_dim, self.dtype).to(self.device)
         return self.linear("time_embedding.2", F.silu(self.linear("time_embedding.0", e)))
 
-    def modulations(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pass p's ([blocks, 6, dim], [2, dim]) modulation (p == passes: the commit pass)."""
-        if self.cfg.switches.baked_adaln:
-            return self.adaln[p], self.head_mod[p]
+    def baked_modulations(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pass p's ([blocks, 6, dim], [2, dim]) modulation from the baked tables (p ==
+        passes: the commit pass)."""
+        return self.adaln[p], self.head_mod[p]
+
+    def computed_modulations(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pass p's modulation through the time MLPs."""
         return self._modulations(self.pass_timestep(p))
 
     def pass_timestep(self, p: int) -> float:
@@ -152,13 +123,11 @@ class LiveTalkDiT:
         self._keep("y_next", torch.cat([frames, mask]))
         self._keep("y_first", torch.cat([frames, mask_first]))
         self._keep("context", context)
-        if self.cfg.switches.text_kv_once:
+        if self.kv_once:
             kv = [self.cross_kv(b) for b in range(spec.n_blocks)]
             k, v = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
-            if self.fp8_cross:
-                cache.keep_text_fp8(k, v)
-            else:
-                cache.keep_text(k, v)
+            keep = cache.keep_text_fp8 if self.ops.fp8_cross else cache.keep_text
+            keep(k, v)
 
     def _keep(self, name: str, value: torch.Tensor) -> None:
         """Set buffer `name` to value: in place once it exists."""
@@ -186,170 +155,35 @@ class LiveTalkDiT:
         return torch.stack([self.linear(f"audio_cond_projs.{j}", a)
                             for j in range(len(spec.audio_blocks))])
 
-    def rope(self, cache: ChunkCache):
-        """The chunk's rotation from the cache's positions: fp32 tables or complex128."""
-        if self.cfg.switches.rope_tables:
-            return TableRotation(*cache.rope.tables(cache.positions))
-        return ComplexRotation(cache.rope.phasors(cache.positions))
-
-    def heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unflatten(-1, (self.spec.n_heads, self.spec.head_dim))
-
     def forward(self, x: torch.Tensor, y: torch.Tensor, p: int, cache: ChunkCache,
                 audio: torch.Tensor, rope, n_slots: int, commit: bool = False):
         """One pass over the chunk latent x [C, F, h, w] with its conditioning y; writes
         every block's K/V at the cache's write slots and attends over its first n_slots.
-        Returns the flow prediction [C, F, h, w], or None for a commit pass that skips the
-        unused tail (skip_commit_tail)."""
-        spec, w = self.spec, self.w
-        h = self.embed(torch.cat([x, y]))  # [F * T, dim], tokens ordered (frame, row, column)
+        Returns the flow prediction [C, F, h, w], or None for a commit pass that stops after
+        the last block's K/V write (skip_commit_tail)."""
+        ops, w, eps = self.ops, self.w, self.spec.norm_eps
+        h = ops.embed(torch.cat([x, y]))  # [F * T, dim], tokens ordered (frame, row, column)
         mods, head_mod = self.modulations(p)
-        T, eps, last = spec.frame_tokens, spec.norm_eps, spec.n_blocks - 1
-        pending = None  # with fused_residual: the FFN residual (output, gate) not yet added
-        for b in range(spec.n_blocks):
-            add = audio[self.audio_at[b]] if b in self.audio_at else None
+        phase = ops.phase(cache)
+        stop = ops.commit_stop if commit else None
+        residual = None  # a pending FFN residual (output, gate) the next input op adds
+        for b, j in enumerate(self.audio_at):
             shift1, scale1, gate1, shift2, scale2, gate2 = mods[b]
-            if pending is not None:  # the residual and the audio inside the AdaLN kernel
-                a, h = self.residual_input(h, *pending, add, shift1, scale1)
-            else:
-                if add is not None:
-                    h = add.repeat_interleave(T, dim=0) + h
-                a = self.norm_input(h, shift1, scale1)
+            add = None if j is None else audio[j]
+            a, h = ops.block_input(h, residual, add, shift1, scale1)
             pre = f"blocks.{b}.self_attn"
-            q, k, v = self.qkv(b, a)
-            qn, kn = w[f"{pre}.norm_q.weight"], w[f"{pre}.norm_k.weight"]
-            if self.fused_pre(cache):  # the FP8 queries; K/V written
-                q = self.pre_attention(self.heads(q), self.heads(k), self.heads(v), qn, kn,
-                                       eps, rope.cos, rope.sin, *cache.stores_fp8(b),
-                                       cache.write_index)
-            elif self.fused_wide_pre(cache):  # the queries [heads, T, head_dim]; K/V written
-                q, _ = self.pre_attention_wide(self.heads(q), self.heads(k), self.heads(v), qn,
-                                               kn, eps, rope.cos, rope.sin, *cache.stores(b),
-                                               None, None, cache.write_index)
-            else:
-                q = rope(self.heads(rms_norm(q, qn, eps))).transpose(0, 1)
-                cache.write(b, rope(self.heads(rms_norm(k, kn, eps))), self.heads(v))
-            if commit and b == last and self.cfg.switches.skip_commit_tail:
+            q = phase.pre_attention(b, *ops.qkv(b, a), w[f"{pre}.norm_q.weight"],
+                                    w[f"{pre}.norm_k.weight"], rope, cache)
+            if b == stop:
                 return None
-            o = self.linear(f"{pre}.o", self.self_attention(b, q, cache, n_slots), "attn")
-            n3w, n3b = w[f"blocks.{b}.norm3.weight"], w[f"blocks.{b}.norm3.bias"]
-            if self.fused_residual:  # the residual inside the cross-attention's norm kernel
-                aq, a_s, h = self.act.residual_layer_norm(h, o, gate1, n3w, n3b, eps)
-                a = (aq, a_s)
-            else:
-                h = gated_residual(h, gate1, o)
-                a = F.layer_norm(h, (spec.dim,), n3w, n3b, eps)
-            cross = self.cross_attention(b, a, cache)
-            if self.fused_input:  # the residual add inside the FFN input's quantization
-                aq, a_s, h = self.act.residual_norm_modulate(h, cross, self.ones, shift2,
-                                                             scale2, eps)
-                a = (aq, a_s)
-            else:
-                h = h + cross
-                a = modulate(h, shift2, scale2, eps)
-            up = self.linear(f"blocks.{b}.ffn.0", a, "ffn_up")
-            up = self.act.gelu(up) if self.fused_gelu else gelu_tanh(up)
-            f = self.linear(f"blocks.{b}.ffn.2", up, "ffn_down")
-            if self.fused_residual:
-                pending = (f, gate2)
-            else:
-                h = gated_residual(h, gate2, f)
-        if pending is not None:
-            f, gate = pending
-            h = gated_residual_once(h, gate, f)
+            o = self.linear(f"{pre}.o", phase.attention(b, q, cache, n_slots), "attn")
+            a, h = ops.attention_residual(b, h, o, gate1)
+            a, h = ops.ffn_input(h, ops.cross_attention(b, a, cache), shift2, scale2)
+            h, residual = ops.ffn_residual(h, ops.ffn(b, a), gate2)
+        h = add_pending(h, residual)
         shift, scale = head_mod
         out = self.linear("head.head", modulate(h, shift, scale, eps))
         return self.unpatchify(out, x.shape[1])
-
-    def embed(self, inp: torch.Tensor) -> torch.Tensor:
-        """The patch embedding of inp [C_in, F, h, w]: tokens [F * T, dim] ordered (frame,
-        row, column); with patch_gemm contiguous rows from one GEMM over the patches (each
-        patch's values ordered (channel, row, column), as the Conv3d weight's), else the
-        Conv3d's output viewed as rows."""
-        spec, p = self.spec, self.spec.patch
-        weight, bias = self.w["patch_embedding.weight"], self.w["patch_embedding.bias"]
-        if self.cfg.switches.patch_gemm:
-            c, f = inp.shape[:2]
-            patches = inp.view(c, f, spec.grid_h, p, spec.grid_w, p).permute(1, 2, 4, 0, 3, 5)
-            return F.linear(patches.reshape(f * spec.frame_tokens, c * p * p), weight.flatten(1),
-                            bias)
-        h = F.conv3d(inp[None], weight, bias, stride=(1, p, p))
-        return h.flatten(2)[0].t()
-
-    @property
-    def fused_input(self) -> bool:
-        """AdaLN and the FP8 quantization of the block linears' input in one op."""
-        return self.fp8_linears and self.cfg.switches.fused_act_quant
-
-    def norm_input(self, h, shift, scale):
-        """The self-attention's input: AdaLN of h, quantized once for q, k and v where they
-        are FP8 linears and fused_act_quant is on."""
-        if self.fused_input:
-            return self.act.norm_modulate(h, shift, scale, self.spec.norm_eps)
-        return modulate(h, shift, scale, self.spec.norm_eps)
-
-    def residual_input(self, h, o, gate, add, shift, scale):
-        """The next block's AdaLN input quantized, with the previous block's gated residual
-        h + gate * o (and the block's audio rows, `add`) added inside: (q, scale), new h."""
-        eps = self.spec.norm_eps
-        if add is None:
-            aq, a_s, h = self.act.residual_norm_modulate(h, o, gate, shift, scale, eps)
-        else:
-            aq, a_s, h = self.act.residual_add_norm_modulate(h, o, gate, add, shift, scale, eps)
-        return (aq, a_s), h
-
-    def qkv(self, b: int, a) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Block b's q, k, v [T, dim]: one GEMM (fused_qkv, its output split) or three."""
-        pre = f"blocks.{b}.self_attn"
-        if self.cfg.switches.fused_qkv:
-            return self.linear(f"{pre}.qkv", a, "qkv").split(self.spec.dim, dim=-1)
-        return tuple(self.linear(f"{pre}.{n}", a, "attn") for n in "qkv")
-
-    def fused_pre(self, cache: ChunkCache) -> bool:
-        """The chunk's pre-attention runs fused (the FP8 cache in use, FP8 attention)."""
-        return self.pre_attention is not None and cache.quantized and \
-            self.cfg.numerics.fp8_attention
-
-    def fused_wide_pre(self, cache: ChunkCache) -> bool:
-        """The chunk's pre-attention runs fused into the cache in the model's dtype (the
-        chunks before the FP8 calibration, or every chunk without fp8_kv)."""
-        return self.pre_attention_wide is not None and not cache.quantized
-
-    def self_attention(self, b: int, q, cache: ChunkCache, n_slots: int):
-        """q [heads, T, head_dim] (after RoPE), or its FP8 quantization per (head, token)
-        (q8 [heads, T, head_dim], scale [heads, T, 1]), over block b's first n_slots cached
-        slots -> [T, dim]: the FP8 attention over the FP8 cache as it lies, or SDPA in the
-        model's dtype."""
-        if cache.quantized and self.cfg.numerics.fp8_attention:
-            H, D = self.spec.n_heads, self.spec.head_dim
-            if isinstance(q, tuple):
-                q8, qs = q
-            else:
-                q8, qs = self.act.quantize_rows(q.reshape(-1, D))
-            k8, v8, ks, vs = cache.read_fp8(b, n_slots)
-            return self.attend8(q8.view(H, -1, D), qs.view(H, -1, 1), k8, v8, ks, vs,
-                                self.dtype)
-        kc, vc = cache.read(b, n_slots)
-        o = F.scaled_dot_product_attention(q[None], kc[None], vc[None])
-        return o[0].transpose(0, 1).flatten(1)
-
-    def cross_attention(self, b: int, a, cache: ChunkCache) -> torch.Tensor:
-        """a: the normed input (norm3's), or its FP8 quantization (q, scale). With
-        fp8_cross_attention, the FP8 attention kernel over the prompt's FP8 K/V."""
-        spec, w, pre = self.spec, self.w, f"blocks.{b}.cross_attn"
-        if self.fp8_cross:
-            q8, qs = self.q_norm_quant(self.linear(f"{pre}.q", a, "attn"),
-                                       w[f"{pre}.norm_q.weight"], spec.norm_eps, spec.n_heads)
-            o = self.attend8_cross(q8, qs, *cache.text_fp8(b), self.dtype)
-            return self.linear(f"{pre}.o", o, "attn")
-        q = self.q_norm(self.linear(f"{pre}.q", a, "attn"), w[f"{pre}.norm_q.weight"],
-                        spec.norm_eps)
-        if self.cfg.switches.text_kv_once:
-            k, v = cache.text_k[b], cache.text_v[b]
-        else:
-            k, v = self.cross_kv(b)
-        o = F.scaled_dot_product_attention(self.heads(q).transpose(0, 1)[None], k[None], v[None])
-        return self.linear(f"{pre}.o", o[0].transpose(0, 1).flatten(1), "attn")
 
     def unpatchify(self, out: torch.Tensor, frames: int) -> torch.Tensor:
         """[F * T, (py, px, C)] -> [C, F, h, w]."""
