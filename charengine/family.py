@@ -166,8 +166,9 @@ class Family(Protocol):
     def check_side(self, spec, side: dict, where: str) -> None:
         ...
 
-    def load_side(self, spec, side: dict, device):
-        ...
+    def load_side(self, cfg, side: dict, device):
+        """The side networks of an EngineConfig over a side state, on `device`, their
+        implementation chosen once by the config's switches."""
 
     def onnx_graphs(self, spec, side) -> list[OnnxGraph]:
         """The decoder and the audio encoder of loaded side networks (`load_side` on the CPU)
@@ -211,8 +212,8 @@ class FamilyModules:
     def check_side(self, spec, side: dict, where: str) -> None:
         self._module("sidenets").check_side(spec, side, where)
 
-    def load_side(self, spec, side: dict, device="cpu"):
-        return self._module("sidenets").load_side(spec, side, device)
+    def load_side(self, cfg, side: dict, device="cpu"):
+        return self._module("sidenets").load_side(cfg.model, side, device)
 
     def warm_up_side(self, side, spec, device) -> None:
         self._module("warmup").warm_up_side(side, spec, device)

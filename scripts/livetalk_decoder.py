@@ -6,11 +6,11 @@ first piece and a whole 3-latent chunk (CUDA events, median), profiled (its kern
 name, ms per steady piece), and compared with the plain arm's frames.
 
   plain         the 3-D convs over [C, T, H, W] and the unfused norms (every switch off)
-  fused         + each RMS norm and its SiLU as one kernel (VaeSpec.gpu_fused_norm)
-  frames        the frames layout (VaeSpec.gpu_frames_layout: 2-D convs over stacked taps)
+  fused         + each RMS norm and its SiLU as one kernel (vae_fused_norm)
+  frames        the frames layout (vae_frames_layout: 2-D convs over stacked taps)
                 with the unfused norms
   frames_fused  the frames layout with the fused norms writing the taps
-  preset        + the resize and block-end kernels over pixel rows (VaeSpec.gpu_row_kernels)
+  preset        + the resize and block-end kernels over pixel rows (vae_row_kernels)
 
 (At a07bdc6 the frames layout always ran the row kernels: that JSON's frames arms are this
 one's with them.)
@@ -32,13 +32,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from charengine.livetalk.sidenets import load_side, random_side_state
-from charengine.livetalk.spec import PRESETS
-from charengine.livetalk.vae_blocks import use_frames_layout, use_fused_norms, use_row_kernels
+from charengine.livetalk.spec import PRESETS, LiveTalkSwitches
 from charengine.timing import cuda_ms, median
 
-ARMS = {"plain": (), "fused": (use_fused_norms,), "frames": (use_frames_layout,),
-        "frames_fused": (use_frames_layout, use_fused_norms),
-        "preset": (use_frames_layout, use_fused_norms, use_row_kernels)}
+# each arm's decoder switches on (LiveTalkSwitches.DECODER; the rest off)
+ARMS = {"plain": (), "fused": ("vae_fused_norm",), "frames": ("vae_frames_layout",),
+        "frames_fused": ("vae_frames_layout", "vae_fused_norm"),
+        "preset": LiveTalkSwitches.DECODER}
 TOP_KERNELS = 8
 
 
@@ -67,8 +67,6 @@ def main():
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     spec, dev = PRESETS[args.preset], torch.device("cuda")
-    plain = dataclasses.replace(spec, vae=dataclasses.replace(
-        spec.vae, gpu_frames_layout=False, gpu_fused_norm=False, gpu_row_kernels=False))
     state = random_side_state(spec, args.seed)
     g = torch.Generator().manual_seed(args.seed)
     lat = [torch.randn(spec.latent_channels, 1, spec.latent_h, spec.latent_w,
@@ -77,9 +75,9 @@ def main():
     results, ref = {}, None
     with torch.inference_mode():
         for name in args.arms.split(","):
-            side = load_side(plain, state, dev)  # every VAE switch off, then the arm's
-            for use in ARMS[name]:
-                use(side.vae.decoder)
+            switches = dataclasses.replace(
+                LiveTalkSwitches(), **{n: n in ARMS[name] for n in LiveTalkSwitches.DECODER})
+            side = load_side(spec, state, dev, switches)
             dec = side.decoder
             dec.reset()
             dec(first)
@@ -99,7 +97,7 @@ def main():
             r["piece_peak_mb"] = (torch.cuda.max_memory_allocated(dev) - base) / (1 << 20)
             results[name] = r
             print(name, json.dumps(r), flush=True)
-            del side, dec
+            side = dec = None  # freed before the next arm loads
             torch.cuda.empty_cache()
     doc = {"preset": spec.name, "gpu": torch.cuda.get_device_name(dev),
            "date": time.strftime("%Y-%m-%d"), "arms": results}

@@ -5,7 +5,6 @@ declared length, NaN or infinite samples are refused, a truncated WAV is reporte
 
 import subprocess
 import sys
-import time
 import wave
 
 import av

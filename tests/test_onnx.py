@@ -64,7 +64,7 @@ def side_of(engine_dir: Path):
     """The engine's side networks as charrun loads them."""
     engine = Engine.load(engine_dir)
     fam, spec = family_of(engine.config), engine.config.model
-    return fam, spec, fam.load_side(spec, engine.side_state(), "cpu")
+    return fam, spec, fam.load_side(engine.config, engine.side_state(), "cpu")
 
 
 def session_latents(fam, spec, side) -> list[torch.Tensor]:

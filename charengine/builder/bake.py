@@ -70,7 +70,7 @@ def warm_up_side(cfg, engine: Path) -> None:
     no Triton kernel (the characters family's) this compiles nothing and costs a few seconds
     of build."""
     fam, dev = family_of(cfg), torch.device("cuda")
-    side = fam.load_side(cfg.model, load_file(str(engine / SIDE), device="cuda"), dev)
+    side = fam.load_side(cfg, load_file(str(engine / SIDE), device="cuda"), dev)
     fam.warm_up_side(side, cfg.model, dev)
 
 

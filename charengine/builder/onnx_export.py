@@ -150,7 +150,7 @@ def export_onnx(cfg, side_state: dict, out: Path, log=print) -> dict:
     onnx/ directory, in the staging directory) and check each; the manifest's "onnx" entry."""
     require_onnx()
     fam, spec = family_of(cfg), cfg.model
-    side = fam.load_side(spec, side_state, "cpu")
+    side = fam.load_side(cfg, side_state, "cpu")
     out.mkdir()
     graphs = {}
     for graph in fam.onnx_graphs(spec, side):

@@ -56,6 +56,11 @@ class LiveTalk(FamilyModules):
     side_files_hint = " (LiveTalk's come from --vae, --wav2vec and --prompt-features or " \
         "--text-encoder)"
 
+    def load_side(self, cfg, side: dict, device="cpu"):
+        from .sidenets import load_side
+
+        return load_side(cfg.model, side, device, cfg.switches)
+
     def load_side_files(self, spec, files: dict, seed: int):
         from pathlib import Path
 

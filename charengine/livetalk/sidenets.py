@@ -16,7 +16,7 @@ import torch
 
 from ..checkpoint import CheckpointError, check_tensors
 from .audio import AudioEncoder
-from .spec import LiveTalkSpec
+from .spec import LiveTalkSpec, LiveTalkSwitches
 from .vae import StreamingDecoder, WanVAE, encode_image, load_vae
 from .vae_blocks import use_frames_layout, use_fused_norms, use_row_kernels
 
@@ -40,15 +40,17 @@ class SideNets(torch.nn.Module):
         self.umt5 = self.prompt_encoder.model if self.prompt_encoder is not None else None
         self.decoder: StreamingDecoder | None = None  # made on the networks' device (ready())
 
-    def ready(self) -> "SideNets":
-        """After a move to the serving device: the streaming decoder over the moved VAE (in
-        the frames layout on a GPU where the VAE's spec asks for it)."""
+    def ready(self, switches: LiveTalkSwitches | None = None) -> SideNets:
+        """After a move to the serving device: the streaming decoder over the moved VAE, its
+        implementation on a GPU chosen once by the decoder's switches (`switches`' DECODER
+        fields; None: the preset's)."""
+        sw = switches if switches is not None else LiveTalkSwitches()
         if self.vae.conv2.weight.device.type == "cuda":
-            if self.spec.vae.gpu_frames_layout:
+            if sw.vae_frames_layout:
                 use_frames_layout(self.vae.decoder)
-                if self.spec.vae.gpu_row_kernels:
+                if sw.vae_row_kernels:
                     use_row_kernels(self.vae.decoder)
-            if self.spec.vae.gpu_fused_norm:
+            if sw.vae_fused_norm:
                 use_fused_norms(self.vae)
         self.decoder = StreamingDecoder(self.vae)
         return self
@@ -90,11 +92,13 @@ def side_dtypes(spec: LiveTalkSpec, device) -> dict[str, torch.dtype]:
     return {}
 
 
-def load_side(spec: LiveTalkSpec, state: dict, device="cpu") -> SideNets:
+def load_side(spec: LiveTalkSpec, state: dict, device="cpu",
+              switches: LiveTalkSwitches | None = None) -> SideNets:
     """The side networks over `state`'s own tensors: the modules are made on the meta device
     (no random initialization, no copy into it) and take the state's tensors, moved to
     `device` and its dtypes (side_dtypes) where they are not there yet; a state read
-    straight onto the device is used as it lies."""
+    straight onto the device is used as it lies. `switches`: the engine's (the decoder's
+    implementation; None: the preset's)."""
     with torch.device("meta"):
         nets = SideNets(spec, audio_seed=None)
     names = set(nets.state_dict())
@@ -113,7 +117,7 @@ def load_side(spec: LiveTalkSpec, state: dict, device="cpu") -> SideNets:
                  if t.is_meta), None)
     if left is not None:  # a tensor no state holds (a buffer left out of the state dict)
         raise ValueError(f"side networks: {left!r} is not in the engine's state")
-    return nets.eval().ready()
+    return nets.eval().ready(switches)
 
 
 def load_side_files(spec: LiveTalkSpec, vae: Path | None, wav2vec: Path | None,

@@ -282,13 +282,28 @@ class LiveTalkSwitches:
     # tokens already rows [F * T, dim]; not a cuDNN Conv3d with its layout transforms, a bias
     # add and the copy that turns its channels-first output into rows
     patch_gemm: bool = True
+    # the decoder's implementation where it runs on a GPU (on a CPU the plain modules run
+    # whatever these say), chosen once when the side networks load (sidenets.SideNets.ready):
+    # the frames layout (vae_blocks.use_frames_layout: channels-last activations, every 3-tap
+    # conv a 2-D conv over its taps stacked on the channels, with vae_fused_norm the norm
+    # before it writing those taps); off, cuDNN's 3-D convs over [C, T, H, W]
+    vae_frames_layout: bool = True
+    # with vae_frames_layout: the resizes and the residual blocks' ends as one kernel each
+    # over the pixel rows (vae_blocks.use_row_kernels, plugins/pixel_rows.py); off, PyTorch's
+    vae_row_kernels: bool = True
+    # each RMS norm and the SiLU after it as one kernel (vae_blocks.use_fused_norms,
+    # plugins/channel_norm.py); off, the unfused ops
+    vae_fused_norm: bool = True
 
+    # the DiT's switches in the waterfall's order; the decoder's (DECODER) are timed apart
+    # (scripts/livetalk_decoder.py)
     ORDER = ("baked_adaln", "text_kv_once", "ring_cache", "rope_tables", "position_reset",
              "fp8_kv", "fused_qkv", "fused_act_quant", "gemm_bias", "fused_pre_attention",
              "fused_residual", "fused_gelu_quant", "fused_q_norm", "skip_commit_tail",
              "graph_fill_chunks", "shared_kv_stores", "fused_wide_pre_attention",
              "fused_calibration", "fused_delta_rotation", "split_attention",
              "pipelined_attention", "fp8_cross_attention", "patch_gemm")
+    DECODER = ("vae_frames_layout", "vae_row_kernels", "vae_fused_norm")
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":

@@ -49,18 +49,6 @@ class VaeSpec:
     # 127 ms against fp32's 179 on an H200, its frames within 0.025 of fp32's
     # (scripts/bench_livetalk_sidenets.py, docs/PERFORMANCE.md)
     gpu_dtype: str = "bfloat16"
-    # where it runs on a GPU, the decoder in the frames layout (vae_blocks.use_frames_layout:
-    # channels-last activations, every 3-tap conv a 2-D conv over its taps stacked on the
-    # channels, with gpu_fused_norm the norm before it writing those taps); off, cuDNN's 3-D
-    # convs over [C, T, H, W] (the plain path, and the CPU's). A steady piece with the other
-    # two switches: 25.0 ms against 41.2 (a07bdc6, docs/PERFORMANCE.md)
-    gpu_frames_layout: bool = True
-    # with gpu_frames_layout: the resizes and the residual blocks' ends as one kernel each
-    # over the pixel rows (vae_blocks.use_row_kernels, plugins/pixel_rows.py); off, PyTorch's
-    gpu_row_kernels: bool = True
-    # where it runs on a GPU, each RMS norm and the SiLU after it as one kernel
-    # (vae_blocks.use_fused_norms, plugins/channel_norm.py); off, the unfused ops
-    gpu_fused_norm: bool = True
 
     def __post_init__(self):
         for name in ("dim_mult", "temporal_downsample", "mean", "std"):  # JSON gives lists

@@ -254,7 +254,7 @@ class DistributedWorker:
         self.mapping = engine.target.mapping(0)
         self.family = family_of(self.cfg)
         self.decoder_device = torch.device(self.mapping.decoder_device)
-        self.side = self.family.load_side(self.spec, engine.side_state(), self.decoder_device)
+        self.side = self.family.load_side(self.cfg, engine.side_state(), self.decoder_device)
         if self.decoder_device.type == "cuda":
             self.family.warm_up_side(self.side, self.spec, self.decoder_device)
         self.own_log_dir = log_dir is None

@@ -68,7 +68,7 @@ def load_side(engine: Engine, family, device: torch.device, parts: dict):
     with timed(parts, "side_read_s"):
         state = engine.side_state(device)
     with timed(parts, "side_build_s"):
-        side = family.load_side(engine.config.model, state, device)
+        side = family.load_side(engine.config, state, device)
     if device.type == "cuda":
         parts["peak_mb_after_side_build"] = peak_mb(device)
         with timed(parts, "warm_up_side_s"):
