@@ -1,12 +1,11 @@
 """Model families: the seam a second model plugs in at.
 
 A family is a package under `charengine/` whose `FAMILY` object has the members of `Family`
-below: its spec type and presets; its checkpoint layout and loader; the tables it bakes for
-the fixed schedule; how a TP rank's weights are cut from the full state; the one function
-that assembles a rank (model, cache and session) from a rank state, a `Mapping` and the
-engine's GEMM plan; the warm-up that runs every code path of a session; its side networks
-(audio and image encoders, decoder, text encoder) and the graphs of them that charbuild
-exports as ONNX (`OnnxGraph`). The builder and the runtime speak to a
+below, in five parts: Shapes (its spec type, presets and config types), Checkpoint (its
+layout, loader and random weights), Rank (the tables it bakes for the fixed schedule, how a
+TP rank's weights are cut, the one assembly of a rank's model, cache and session through
+charengine/stepping.py), Speech (which speech each step plays) and Side (its side networks:
+audio and image encoders, decoder, text encoder, and their graphs for ONNX export). The builder and the runtime speak to a
 family only through these members, so a family is added by writing its package and naming it
 in FAMILIES; no other family's code changes. docs/ARCHITECTURE.md draws where it plugs in.
 """
@@ -66,6 +65,21 @@ class FusedAllReduce:
     n: int
 
 
+@dataclass(frozen=True)
+class BuildInput:
+    """A file or text a family's build takes besides its checkpoint (a family's
+    `build_inputs`): charbuild's flag --NAME (underscores as dashes), the key `name` in
+    BuildConfig.side_files, its help line, and whether it is a path or a text."""
+
+    name: str
+    help: str
+    path: bool = True
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
 # Name prefixes of a causal cache's tensors in an exported graph: a conv's past input frames
 # going in, the frames it keeps for the next call coming out (followed by the module's path).
 PAST, PRESENT = "past.", "present."
@@ -89,33 +103,39 @@ class OnnxGraph:
     doc: str = ""
 
 
-class Family(Protocol):
-    """A family's spec has what delivery reads: `name`, `fps`, `frames_per_latent` (frames
-    per step), `out_h`, `out_w` and `side.sample_rate` (the speech rate)."""
+class Shapes(Protocol):
+    """Part 1, what the family is: its spec type and presets (data), the config types it
+    puts in an EngineConfig, its invalid combinations, the tensors a session hands between
+    the host and its ranks. A spec has what delivery reads: `name`, `fps`,
+    `frames_per_latent` (frames per step), `out_h`, `out_w` and `side.sample_rate`."""
 
     name: str
     spec_type: type  # the frozen dataclass of the family's shapes (EngineConfig.model)
     presets: dict[str, Any]  # preset name -> spec
-    side_prefixes: tuple[str, ...]  # checkpoint key prefixes of the side networks
     # EngineConfig field -> the family's dataclass for it ("cache", "schedule", "switches")
     config_types: dict[str, type]
-
-    side_files_hint: str  # how a checkpoint without side networks gets them (a message)
-
-    def load_side_files(self, spec, files: dict, seed: int) -> dict:
-        """The side state from the side networks' own files (BuildConfig.side_files)."""
 
     def check_config(self, cfg) -> None:
         """Invalid combinations of an EngineConfig of this family, one line each."""
 
-    def step_frames(self, spec, k: int) -> int:
-        """Video frames step k gives (the decoder's output for its latent)."""
+    def step_shapes(self, spec) -> StepShapes:
+        """The shapes of a session's hand-offs (runtime/distributed.py, the warm-up)."""
 
-    def encode_audio(self, side, spec, window: torch.Tensor, k: int) -> torch.Tensor:
-        """Step k's audio features from its encoder window (`audio_window`'s shape)."""
+    def block_linear_params(self, spec) -> int:
+        """Parameters of the block linears (the engine manifest's count)."""
 
-    def lookahead_samples(self, spec) -> int:
-        """Speech after a step's last frame that its audio window needs (live latency)."""
+
+class Checkpoint(Protocol):
+    """Part 2, the weights: the checkpoint layout and its loader (one line naming a bad
+    tensor), random weights of the same shapes, the side networks' own files."""
+
+    side_prefixes: tuple[str, ...]  # checkpoint key prefixes of the side networks
+    side_files_hint: str  # how a checkpoint without side networks gets them (a message)
+    build_inputs: tuple[BuildInput, ...]  # the side networks' own files, charbuild's flags
+    # preset -> its trained checkpoint shipped in charengine/checkpoints/ (built from when
+    # charbuild is given no weights)
+    embedded_checkpoints: dict[str, str]
+    random_ok: tuple[str, ...]  # presets built with random weights without asking (tests)
 
     def param_shapes(self, spec) -> dict[str, tuple[int, ...]]:
         """Every full-precision DiT tensor of the checkpoint layout and its shape."""
@@ -126,11 +146,24 @@ class Family(Protocol):
     def random_weights(self, spec, seed: int, device) -> dict:
         """A lazily made full state of the exact shapes (benchmarks, the tiny engines)."""
 
+    def load_side_files(self, spec, files: dict, seed: int) -> dict:
+        """The side state from the side networks' own files (BuildConfig.side_files)."""
+
+
+class Rank(Protocol):
+    """Part 3, one TP rank: the tables baked for the fixed schedule, the rank's cut of the
+    weights, its GEMMs for the builder to time, and the one assembly of its model, cache and
+    session (the session, its graphs and warm-up are charengine/stepping.py's; a family
+    gives its step function and phase rule)."""
+
     def bake_tables(self, cfg, state) -> dict[str, torch.Tensor]:
         """The tables baked for the fixed schedule (the engine's ADALN file)."""
 
     def rank_weights(self, cfg, state, mapping) -> dict[str, torch.Tensor]:
         """TP rank `mapping.rank`'s engine state (FP8 weights and scales) from a full state."""
+
+    def rank_state(self, cfg, full_state, rank: int = 0, keep_adaln: bool = True) -> dict:
+        """As rank_weights, for tests and benchmarks that keep what the tables bake from."""
 
     def rank_shape(self, cfg, rank: int):
         """A hashable key of what rank `rank`'s kernels depend on (equal keys share them)."""
@@ -145,8 +178,23 @@ class Family(Protocol):
     def gemm_problems(self, cfg, state, mapping) -> dict:
         """The GEMMs the builder's plan chooses for: linear -> (epilogue, weights, M)."""
 
-    def step_shapes(self, spec) -> StepShapes:
-        """The shapes of a session's hand-offs (runtime/distributed.py)."""
+    def steady_from(self, cfg) -> int:
+        """The first step of the steady shape: the steps before it fill the cache and may
+        take longer than a steady one (a live session's deadlines leave their times out
+        once it has measured a steady step)."""
+
+    def fused_allreduce(self, cfg) -> FusedAllReduce | None:
+        """The GEMM + all-reduce the config fuses on a TP group, None where it has none."""
+
+    def quack_epilogues(self, cfg) -> bool:
+        """Whether the config runs QuACK's fused GEMM epilogues whatever the GEMM plan says."""
+
+
+class Speech(Protocol):
+    """Part 4, time: which speech each step plays and the audio encoder's window of it."""
+
+    def step_frames(self, spec, k: int) -> int:
+        """Video frames step k gives (the decoder's output for its latent)."""
 
     def steps_for(self, spec, n_samples: int) -> int:
         """Steps that cover n_samples of speech."""
@@ -160,15 +208,29 @@ class Family(Protocol):
     def audio_window(self, spec, speech: torch.Tensor, k: int) -> torch.Tensor:
         """Step k's audio encoder input from the session's speech."""
 
+    def encode_audio(self, side, spec, window: torch.Tensor, k: int) -> torch.Tensor:
+        """Step k's audio features from its encoder window (`audio_window`'s shape)."""
+
+    def lookahead_samples(self, spec) -> int:
+        """Speech after a step's last frame that its audio window needs (live latency)."""
+
+
+class Side(Protocol):
+    """Part 5, the side networks (audio and image encoders, decoder, text encoder): their
+    state, loading and warm-up, and their graphs for ONNX export."""
+
     def random_side_state(self, spec, seed: int) -> dict:
-        ...
+        """Seeded side networks' state of the exact shapes."""
 
     def check_side(self, spec, side: dict, where: str) -> None:
-        ...
+        """One line naming a side tensor of the wrong name or shape."""
 
     def load_side(self, cfg, side: dict, device):
         """The side networks of an EngineConfig over a side state, on `device`, their
         implementation chosen once by the config's switches."""
+
+    def warm_up_side(self, side, spec, device) -> None:
+        """One call of each side network at the shapes a session runs them at."""
 
     def onnx_graphs(self, spec, side) -> list[OnnxGraph]:
         """The decoder and the audio encoder of loaded side networks (`load_side` on the CPU)
@@ -178,16 +240,11 @@ class Family(Protocol):
         """A step's latent as the decoder calls a live session hands on one by one (None:
         decoded whole)."""
 
-    def steady_from(self, cfg) -> int:
-        """The first step of the steady shape: the steps before it fill the cache and may
-        take longer than a steady one (a live session's deadlines leave their times out
-        once it has measured a steady step)."""
 
-    def fused_allreduce(self, cfg) -> FusedAllReduce | None:
-        """The GEMM + all-reduce the config fuses on a TP group, None where it has none."""
-
-    def quack_epilogues(self, cfg) -> bool:
-        """Whether the config runs QuACK's fused GEMM epilogues whatever the GEMM plan says."""
+class Family(Shapes, Checkpoint, Rank, Speech, Side, Protocol):
+    """A model family: the five parts above, each small enough to write and test on its
+    own (docs/ARCHITECTURE.md shows both families' answers side by side). The builder and
+    the runtime use nothing of a family but these members."""
 
 
 class FamilyModules:
@@ -204,7 +261,9 @@ class FamilyModules:
         return self._module("weights").param_shapes(spec)
 
     def warm_up(self, session) -> int:
-        return self._module("warmup").warm_up(session)
+        from .stepping import warm_up
+
+        return warm_up(session, self.step_shapes(session.cfg.model))
 
     def random_side_state(self, spec, seed: int) -> dict:
         return self._module("sidenets").random_side_state(spec, seed)

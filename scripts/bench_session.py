@@ -33,9 +33,11 @@ from charengine.assemble import rank_session
 from charengine.characters.cache import KVCache
 from charengine.characters.model import CharacterDiT, bake_adaln
 from charengine.characters.spec import RankShape
-from charengine.characters.step import Session, ar_step
+from charengine.characters.step import ar_step
+from charengine.stepping import Session
 from charengine.characters.weights import random_rank_state
-from charengine.config import EngineConfig, Numerics, Switches, preset
+from charengine.config import EngineConfig, preset
+from charengine.characters.config import LINEARS, Switches
 from charengine.engine_format import this_machine
 from charengine.mapping import Mapping
 from charengine.timing import Mark
@@ -328,7 +330,7 @@ def memory_session(args, device):
     if args.fast_accum is not None:
         linears = () if args.fast_accum == "none" else tuple(args.fast_accum.split(","))
         cfg = cfg.replace(numerics=dataclasses.replace(
-            cfg.numerics, fast_accum=bool(linears), fast_accum_linears=linears or Numerics.LINEARS))
+            cfg.numerics, fast_accum=bool(linears), fast_accum_linears=linears or LINEARS))
     if args.switches:
         cfg = cfg.replace(switches=dataclasses.replace(cfg.switches,
                                                        **parse_switches(args.switches)))

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from charengine.config import Switches
+from charengine.characters.config import Switches
 
 # The cumulative switch arms in Figure 2's order; the fused all-reduce, the last switch, is
 # not a bar (bench_session.py --arm fused_gemm_allreduce runs it)

@@ -1,10 +1,10 @@
 """Quality of the tiny character on held-out clips (docs/QUALITY.md): identities and speech
 made from a seed the training never used, animated from each clip's first frame and its
-speech by the engine's step (charengine.characters.offline), on the CPU.
+speech by the engine's step (tinychar.offline), on the CPU.
 
     python scripts/eval_quality.py --clips 20 --seconds 8
 
-Lip sync (charengine.characters.quality.lip_sync) for the trained model, a random-weight model and the
+Lip sync (tinychar.quality.lip_sync) for the trained model, a random-weight model and the
 ground-truth clips; PSNR / SSIM between arms of the trained model (baseline, production,
 bf16 cache, fp32) against the run-to-run floor (production with another noise seed), each
 with 95% bootstrap intervals over clips. Writes docs/results/quality_tiny_cpu.json.
@@ -20,13 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from charengine.config import Numerics, Switches, preset
-from charengine.characters.offline import animate, random_model_side
-from charengine.characters.quality import bootstrap, compare_runs, lip_sync
+from charengine.config import Numerics, preset
+from charengine.characters.config import Switches
+from tinychar.offline import animate, random_model_side
+from tinychar.quality import bootstrap, compare_runs, lip_sync
 from charengine.assemble import rank_session, rank_state
 from charengine.mapping import Mapping
 from charengine.characters.sidenets import PREFIXES, load_side
-from charengine.characters.synth import clip
+from tinychar.synth import clip
 from charengine.characters.weights import load_checkpoint, random_weights
 
 HELD_OUT_SEED = 10**6 + 7  # train_tiny.py draws its clips from seed 0 (and vae 10**6 held-out)

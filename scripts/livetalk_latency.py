@@ -97,12 +97,12 @@ SESSION_MARGIN_S = 60.0  # beyond the session's own length, before giving up on 
 
 def speech_signal(audio: Path | None, sample_rate: int) -> torch.Tensor:
     """The speech fed live: --audio's file (any format PyAV reads), else random formant
-    syllables with pauses (charengine/characters/synth.py)."""
+    syllables with pauses (tinychar/synth.py)."""
     if audio is not None:
         from charengine.runtime.media import read_audio
 
         return read_audio(audio, sample_rate)
-    from charengine.characters.synth import speech
+    from tinychar.synth import speech
 
     x, _ = speech(SPEECH_SECONDS, sample_rate, np.random.default_rng(SPEECH_SEED))
     return torch.from_numpy(x).float()

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from charengine.config import Numerics, Switches, preset
+from charengine.config import Numerics, preset
+from charengine.characters.config import Switches
 from charengine.assemble import rank_session, rank_state
 from charengine.mapping import Mapping
 from charengine.characters.weights import random_weights

@@ -1,4 +1,4 @@
-"""Procedural talking-character clips for training and evaluation (charengine.characters.synth): random
+"""Procedural talking-character clips for training and evaluation (tinychar.synth): random
 identities, formant speech, mouths that follow the speech, blinks and head sway, at a preset's
 output size and frame rate with 16 kHz audio. One safetensors file per split; optional MP4s.
 
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from charengine.characters.spec import PRESETS
-from charengine.characters.synth import clip
+from tinychar.synth import clip
 
 
 def write_split(path: Path, clips) -> None:

@@ -1,4 +1,4 @@
-"""Make the demo's inputs (charengine.characters.synth): a cartoon face (assets/face.png) and
+"""Make the demo's inputs (tinychar.synth): a cartoon face (assets/face.png) and
 formant-synthesized speech of random syllables (assets/speech.wav, 16 kHz mono)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from charengine.characters.synth import Identity, face, speech
+from tinychar.synth import Identity, face, speech
 
 
 def main():

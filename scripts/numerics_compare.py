@@ -29,7 +29,8 @@ from charengine.assemble import rank_session
 from charengine.characters.model import bake_adaln
 from charengine.characters.spec import RankShape
 from charengine.characters.weights import random_rank_state
-from charengine.config import Numerics, Switches, preset
+from charengine.config import Numerics, preset
+from charengine.characters.config import LINEARS, Switches
 from charengine.engine_format import this_machine
 from charengine.mapping import Mapping
 from charengine.plugins.attention import AttentionTiles
@@ -40,7 +41,7 @@ PLAIN_UPTO = "conditioning_cache"  # the last switch before the kernels (the cac
 VARIANTS = {
     "default": {},
     "precise": {"fast_accum": False},
-    "fast_accum": {"fast_accum": True, "fast_accum_linears": Numerics.LINEARS},
+    "fast_accum": {"fast_accum": True, "fast_accum_linears": LINEARS},
     "fast_accum_w_in": {"fast_accum": True, "fast_accum_linears": ("w_in",)},
     "bf16_gemm": {"fp8_gemm": False},
 }

@@ -1,4 +1,4 @@
-"""Score generated clips (charengine.characters.quality): lip sync per clip (offset, confidence,
+"""Score generated clips (tinychar.quality): lip sync per clip (offset, confidence,
 distance) and PSNR / SSIM between two runs of the same clips, with bootstrap intervals over
 clips.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-from charengine.characters.quality import bootstrap, compare_runs, lip_sync
+from tinychar.quality import bootstrap, compare_runs, lip_sync
 from charengine.runtime.media import read_audio
 
 RATE = 16000

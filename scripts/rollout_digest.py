@@ -32,7 +32,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from charengine.config import EngineConfig, Numerics, Switches, preset  # noqa: E402
+from charengine.config import EngineConfig, Numerics, preset  # noqa: E402
+from charengine.characters.config import Switches  # noqa: E402
 from charengine.runtime.distributed import free_port  # noqa: E402
 from rollout import rollout  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Train the tiny character from procedural clips (charengine.characters.synth), on the CPU, with a fixed
+"""Train the tiny character from procedural clips (tinychar.synth), on the CPU, with a fixed
 seed.
 
 Stage `vae`: the latent encoder / decoder pair (4 frames <-> one latent; the decoder is the
@@ -6,14 +6,14 @@ engine's causal decoder) and the image encoder (one reference frame -> its laten
 are scaled to unit variance per channel, folded into the encoder and decoder weights.
 
 Stage `dit`: the `tiny` DiT and the audio encoder, by flow matching on the VAE's latents of
-fresh clips, with the engine's semantics (charengine.characters.sequence): every frame of a training
+fresh clips, with the engine's semantics (tinychar.sequence): every frame of a training
 window at one noise level (drawn from the four-pass schedule three times in four, else
 uniform), block-causal attention over the cache window plus the reference image's and the
 prompt's global tokens, temporal indices where the engine puts them. The checkpoint holds
 the DiT and every side network (the text encoder stays at its seeded initialization;
 prompts are random strings or empty, so the model learns to take them as they come).
 
-    python scripts/train_tiny.py vae --steps 1200 --out checkpoints/tiny_vae.safetensors
+    python scripts/train_tiny.py vae --steps 1200 --out charengine/checkpoints/tiny_vae.safetensors
     python scripts/train_tiny.py dit --steps 4000 --out charengine/checkpoints/tiny.safetensors
 """
 
@@ -35,10 +35,10 @@ from charengine.characters.spec import PRESETS
 from charengine.config import EngineConfig
 from charengine.characters.decoder import Decoder, ImageEncoder, VideoEncoder
 from charengine.characters.model import patchify
-from charengine.characters.quality import psnr
-from charengine.characters.sequence import SequenceDiT
+from tinychar.quality import psnr
+from tinychar.sequence import SequenceDiT
 from charengine.characters.sidenets import SideNets
-from charengine.characters.synth import clip
+from tinychar.synth import clip
 from charengine.characters.weights import random_weights
 
 
@@ -227,9 +227,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["vae", "dit"])
     ap.add_argument("--out", type=Path, default=None,
-                    help="default: checkpoints/tiny_vae.safetensors (vae), "
+                    help="default: charengine/checkpoints/tiny_vae.safetensors (vae), "
                          "charengine/checkpoints/tiny.safetensors (dit)")
-    ap.add_argument("--vae", type=Path, default=Path("checkpoints/tiny_vae.safetensors"),
+    ap.add_argument("--vae", type=Path, default=Path("charengine/checkpoints/tiny_vae.safetensors"),
                     help="dit: the trained VAE whose latents the DiT learns")
     ap.add_argument("--init", type=Path, default=None,
                     help="dit: continue from this checkpoint's DiT and audio encoder")
@@ -246,7 +246,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(2)
     if args.out is None:
-        args.out = Path("checkpoints/tiny_vae.safetensors" if args.stage == "vae"
+        args.out = Path("charengine/checkpoints/tiny_vae.safetensors" if args.stage == "vae"
                         else "charengine/checkpoints/tiny.safetensors")
     report = train_vae(args) if args.stage == "vae" else train_dit(args)
     print(json.dumps({k: v for k, v in report.items() if k != "args"}, indent=1))

@@ -1,7 +1,8 @@
 import torch
 
 from charengine.characters.cache import KVCache
-from charengine.config import preset, Switches
+from charengine.config import preset
+from charengine.characters.config import Switches
 
 
 def test_ring_reread_in_slot_order_permutes_temporal_positions():

@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 
 from charengine.characters.spec import PRESETS, RankShape
-from charengine.config import CacheSpec, EngineConfig, Numerics, Switches, preset
+from charengine.config import EngineConfig, Numerics, preset
+from charengine.characters.config import CacheSpec, Switches
 
 
 def test_characters_57b_numbers_match_the_paper():
@@ -95,12 +96,14 @@ def test_configs_are_frozen():
 
 def test_fast_accumulation_names_its_linears_and_reads_back_from_json():
     """The numerics say which block linears sum without promotion; a manifest's JSON list reads
-    back as the same numerics, and an unknown linear is refused by name."""
+    back as the same numerics, unset means every linear, and a linear the family does not
+    have is refused by name."""
     import json
 
     n = Numerics(fast_accum=True, fast_accum_linears=("w_in",))
     assert n.fast_accum_for("w_in") and not n.fast_accum_for("w_out")
+    assert Numerics().fast_accum_for("w_in") and Numerics().fast_accum_for("w_out")
     assert not Numerics(fast_accum=False).fast_accum_for("w_in")
     assert Numerics(**json.loads(json.dumps(n.__dict__))) == n
     with pytest.raises(ValueError, match="w_up"):
-        Numerics(fast_accum_linears=("w_up",))
+        preset("tiny", numerics=Numerics(fast_accum_linears=("w_up",)))

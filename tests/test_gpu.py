@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from charengine import fp8
-from charengine.config import Switches, preset
-from charengine.characters.graphs import GraphedStep
+from charengine.config import preset
+from charengine.characters.config import Switches
 from charengine.assemble import rank_session, rank_state
 from charengine.mapping import Mapping
 from charengine.characters.weights import random_weights
@@ -15,11 +15,10 @@ pytestmark = pytest.mark.gpu
 STEPS = 60  # filling, calibration, steady, one reset (42)
 
 
-def run(cfg, device, step_fn=None, sync_check=False, gemm_plan=None):
-    kw = {} if step_fn is None else {"step_fn": step_fn}
-    kw |= {"gemm_plan": gemm_plan} if gemm_plan else {}
+def run(cfg, device, graphed=False, sync_check=False, gemm_plan=None):
+    kw = {"gemm_plan": gemm_plan} if gemm_plan else {}
     s = rank_session(cfg, rank_state(cfg, random_weights(cfg.model, 0)), Mapping.single(device),
-                     **{"graphed": False, **kw})
+                     graphed=graphed, **kw)
     ref, prompt, noise, audio = (t.to(device) for t in session_inputs(cfg.model, STEPS))
     outs = []
     with torch.inference_mode():
@@ -35,7 +34,7 @@ def run(cfg, device, step_fn=None, sync_check=False, gemm_plan=None):
 def test_graphed_steps_equal_eager_steps_and_never_sync():
     cfg = preset("tiny")
     eager = run(cfg, "cuda")
-    graphed = run(cfg, "cuda", GraphedStep(), sync_check=True)
+    graphed = run(cfg, "cuda", True, sync_check=True)
     assert rel_err(eager, graphed).max() < 1e-3
 
 
@@ -43,7 +42,7 @@ def test_graphed_steps_with_the_residual_in_the_gemm_epilogue_match_the_plain_ad
     """gemm_residual (cuBLASLt's C input, called through ctypes) captured in CUDA graphs,
     against the default path's residual add inside the norm kernel, eager."""
     cfg = preset("tiny")
-    on = run(cfg.replace(switches=Switches(gemm_residual=True)), "cuda", GraphedStep(),
+    on = run(cfg.replace(switches=Switches(gemm_residual=True)), "cuda", True,
              sync_check=True)
     assert rel_err(run(cfg, "cuda"), on).max() < 5e-3
 
@@ -56,7 +55,7 @@ def test_graphed_steps_with_swiglu_in_the_gemm_epilogue_match_the_plain_block(pl
     pytest.importorskip("quack")
     cfg = preset("tiny")
     on = run(cfg.replace(switches=Switches(gemm_swiglu=True, gemm_residual=True)), "cuda",
-             GraphedStep(), sync_check=True, gemm_plan=plan)
+             True, sync_check=True, gemm_plan=plan)
     assert rel_err(run(cfg, "cuda"), on).max() < 5e-3
 
 

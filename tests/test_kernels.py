@@ -20,7 +20,8 @@ import torch
 
 from charengine import fp8
 from charengine.characters.spec import PRESETS
-from charengine.config import Switches, preset
+from charengine.config import preset
+from charengine.characters.config import Switches
 from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, gemm, \
     gemm_residual, pre_attention
 from charengine.rope import cos_sin

@@ -5,8 +5,8 @@ counted apart, bootstrap intervals."""
 import numpy as np
 import pytest
 
-from charengine.characters.quality import bootstrap, compare_runs, lip_sync, psnr
-from charengine.characters.synth import clip
+from tinychar.quality import bootstrap, compare_runs, lip_sync, psnr
+from tinychar.synth import clip
 
 FPS, SR = 24, 16000
 

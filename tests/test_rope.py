@@ -2,7 +2,7 @@ import torch
 
 from charengine import fp8
 from charengine.characters.spec import PRESETS
-from charengine.config import CacheSpec
+from charengine.characters.config import CacheSpec
 from charengine.characters.rope import RopeTables
 from charengine.rope import cos_sin, rotate, rotate_temporal_f32
 

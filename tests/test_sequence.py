@@ -3,11 +3,12 @@
 import torch
 
 from charengine import fp8
-from charengine.config import Switches, preset
+from charengine.config import preset
+from charengine.characters.config import Switches
 from charengine.characters.model import patchify
 from charengine.assemble import rank_session, rank_state
 from charengine.mapping import Mapping
-from charengine.characters.sequence import SequenceDiT, block_causal_mask
+from tinychar.sequence import SequenceDiT, block_causal_mask
 from charengine.characters.weights import block_linear_names, random_weights
 from rollout import FP32, session_inputs
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from charengine.characters.cache import KVCache
-from charengine.config import Numerics, Switches, preset
+from charengine.config import Numerics, preset
+from charengine.characters.config import Switches
 from charengine.characters.step import ar_step
 from rollout import FP32, rel_err, rollout
 

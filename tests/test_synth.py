@@ -3,8 +3,8 @@ the speech (measured from the pixels, not from the generator's own labels)."""
 
 import numpy as np
 
-from charengine.characters.quality import mouth_opening as mouth_area
-from charengine.characters.synth import clip, envelope
+from tinychar.quality import mouth_opening as mouth_area
+from tinychar.synth import clip, envelope
 
 
 def test_clip_shapes_and_determinism():

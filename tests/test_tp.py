@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from charengine.config import Switches, preset
+from charengine.config import preset
+from charengine.characters.config import Switches
 from charengine.runtime.distributed import free_port
 from rollout import FP32, rel_err, rollout
 

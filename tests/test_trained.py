@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from charengine.config import preset
-from charengine.characters.offline import animate, random_model_side
-from charengine.characters.quality import lip_sync
+from tinychar.offline import animate, random_model_side
+from tinychar.quality import lip_sync
 from charengine.assemble import rank_session, rank_state
 from charengine.mapping import Mapping
 from charengine.characters.sidenets import PREFIXES, SideNets, load_side
-from charengine.characters.synth import clip
+from tinychar.synth import clip
 from charengine.characters.weights import load_checkpoint, random_weights
 
 CKPT = Path(__file__).resolve().parents[1] / "charengine" / "checkpoints" / "tiny.safetensors"

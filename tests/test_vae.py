@@ -1,4 +1,4 @@
-"""The shipped tiny VAE (checkpoints/tiny_vae.safetensors, from scripts/train_tiny.py vae):
+"""The shipped tiny VAE (charengine/checkpoints/tiny_vae.safetensors, from scripts/train_tiny.py vae):
 held-out clips (identities and speech never seen in training) reconstruct, the streaming
 decoder gives the same frames, and the image encoder lands near the video encoder's latent."""
 
@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 
 from charengine.characters.spec import PRESETS
 from charengine.characters.decoder import Decoder, ImageEncoder, VideoEncoder
-from charengine.characters.quality import psnr
-from charengine.characters.synth import clip
+from tinychar.quality import psnr
+from tinychar.synth import clip
 
-CKPT = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny_vae.safetensors"
+CKPT = Path(__file__).resolve().parents[1] / "charengine" / "checkpoints" / "tiny_vae.safetensors"
 SPEC = PRESETS["tiny"]
 
 

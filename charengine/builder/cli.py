@@ -12,14 +12,45 @@ from pathlib import Path
 import click
 
 from charengine.checkpoint import CheckpointError
-from charengine.family import all_presets
+from charengine.family import FAMILIES, all_presets, family
 
 from .build_config import CHECKPOINTS_DIR, BuildConfig, find_target
 
-# Trained checkpoints shipped with the package: a preset's weights when none are given.
-EMBEDDED_CHECKPOINTS = {"tiny": CHECKPOINTS_DIR / "tiny.safetensors"}
-# Presets an engine may be built for with random weights without asking (test sizes).
-EMBEDDED_RANDOM_OK = ("tiny-10h", "tiny-livetalk")
+
+def families():
+    return [family(name) for name in FAMILIES]
+
+
+def embedded_checkpoint(preset: str) -> Path | None:
+    """The trained checkpoint shipped with the package for `preset` (its family's
+    declaration), built from when no weights are given."""
+    name = next((f.embedded_checkpoints[preset] for f in families()
+                 if preset in f.embedded_checkpoints), None)
+    return None if name is None else CHECKPOINTS_DIR / name
+
+
+def random_ok(preset: str) -> bool:
+    """Whether `preset` builds with random weights without asking (a family's test size)."""
+    return any(preset in f.random_ok for f in families())
+
+
+def build_inputs() -> dict:
+    """Every family's build inputs by name, each flag with the family that takes it."""
+    inputs = {}
+    for f in families():
+        for inp in f.build_inputs:
+            inputs.setdefault(inp.name, (inp, []))[1].append(f.name)
+    return inputs
+
+
+def family_inputs(command):
+    """`command` with one option per family build input (a path or a text), its help line
+    naming the families that take it."""
+    for inp, names in reversed(list(build_inputs().values())):
+        kind = {"type": click.Path(path_type=Path)} if inp.path else {"default": ""}
+        command = click.option(inp.flag, inp.name, help=f"{', '.join(names)}: {inp.help}",
+                               **kind)(command)
+    return command
 
 
 def config_of(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels,
@@ -39,12 +70,12 @@ def config_of(target_name, out, weights, random_weights, seed, preset_name, rank
         raise click.ClickException(str(e)) from None
     preset = preset_name or target.preset
     if not weights and not random_weights:
-        embedded = EMBEDDED_CHECKPOINTS.get(preset)
+        embedded = embedded_checkpoint(preset)
         if embedded is not None and embedded.is_file():
             weights = embedded
             click.echo(f"charbuild: no --weights: the trained {preset} checkpoint, {embedded}",
                        err=True)
-        elif preset in EMBEDDED_RANDOM_OK:
+        elif random_ok(preset):
             click.echo(f"charbuild: no --weights: random weights (seed {seed})", err=True)
         else:
             raise click.UsageError(f"{target.name} needs --weights CKPT (or --random-weights "
@@ -90,15 +121,7 @@ def write_failure(e: BaseException) -> str | None:
               help="Model preset, overriding the target's.")
 @click.option("--ranks", help="Build only these TP ranks (comma-separated), e.g. one rank's "
                               "slice to benchmark on one GPU; charrun does not serve it.")
-@click.option("--vae", type=click.Path(path_type=Path),
-              help="LiveTalk: the Wan 2.1 VAE (Wan2.1_VAE.pth; read with weights_only).")
-@click.option("--wav2vec", type=click.Path(path_type=Path),
-              help="LiveTalk: a local wav2vec2-base-960h directory (transformers).")
-@click.option("--prompt-features", type=click.Path(path_type=Path),
-              help="LiveTalk: the prompt as umT5-XXL features [512, 4096] in a safetensors file.")
-@click.option("--text-encoder", type=click.Path(path_type=Path),
-              help="LiveTalk: a local umT5 encoder directory (transformers) to encode --prompt.")
-@click.option("--prompt", default="", help="LiveTalk: the prompt --text-encoder encodes.")
+@family_inputs
 @click.option("--no-kernels", is_flag=True,
               help="Do not compile a GPU target's kernels into the engine (charrun compiles "
                    "them at every start); lets a GPU engine be built without its GPU.")
@@ -108,7 +131,7 @@ def write_failure(e: BaseException) -> str | None:
                    "through onnxruntime (pip install 'charengine[onnx]'), for runtimes such as "
                    "TensorRT; charrun does not read them.")
 def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels,
-         random_side_networks, vae, wav2vec, prompt_features, text_encoder, prompt, export_onnx):
+         random_side_networks, export_onnx, **side_files):
     """Bake a per-rank engine: FP8 weights and scales, AdaLN tables for the fixed schedule,
     side networks, a GPU target's compiled kernels (built on that GPU), and a manifest with
     checksums that charrun checks before loading."""
@@ -125,8 +148,6 @@ def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
 
-    side_files = {"vae": vae, "wav2vec": wav2vec, "prompt_features": prompt_features,
-                  "text_encoder": text_encoder, "prompt": prompt}
     config = config_of(target_name, out, weights, random_weights, seed, preset_name, ranks,
                        no_kernels, random_side_networks, side_files, export_onnx)
     try:

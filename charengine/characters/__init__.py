@@ -27,16 +27,19 @@ class Characters(FamilyModules):
 
     @property
     def config_types(self):
-        from ..config import CacheSpec, Schedule, Switches
+        from .config import CacheSpec, Schedule, Switches
 
         return {"cache": CacheSpec, "schedule": Schedule, "switches": Switches}
 
     def check_config(self, cfg) -> None:
-        from ..config import check_characters
+        from .config import check_characters
 
         check_characters(cfg)
 
     side_files_hint = ""
+    build_inputs = ()
+    embedded_checkpoints = {"tiny": "tiny.safetensors"}
+    random_ok = ("tiny-10h",)
 
     def load_side_files(self, spec, files: dict, seed: int):
         from ..checkpoint import CheckpointError
@@ -87,7 +90,8 @@ class Characters(FamilyModules):
         table, final = bake_adaln(cfg, state)
         return {"adaln_table": table, "final_table": final}
 
-    def tables_of(self, tables: dict):
+    @staticmethod
+    def _tables_of(tables: dict):
         """The model's view of the baked tables (the engine's ADALN file's tensors)."""
         return tables["adaln_table"], tables["final_table"]
 
@@ -114,7 +118,7 @@ class Characters(FamilyModules):
         from .rank import rank_session
 
         if isinstance(tables, dict):
-            tables = self.tables_of(tables)
+            tables = self._tables_of(tables)
         return rank_session(cfg, state, mapping, tables, gemm_plan, exchange, graphed,
                             **options)
 

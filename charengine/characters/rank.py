@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from ..config import EngineConfig
 from ..mapping import Mapping
+from ..stepping import Session, session_of
 from .cache import KVCache
 from .model import CharacterDiT
 from .spec import RankShape
-from .step import Session, ar_step
+from .step import FrameSteps, ar_step
 from .weights import rank_weights
 
 
@@ -30,15 +31,10 @@ def rank_session(cfg: EngineConfig, state, mapping: Mapping, tables=None, gemm_p
     GPU); `exchange`: the TP group's fused GEMM + all-reduce (plugins/gemm_allreduce.py),
     given by a loader that has the group; `graphed`: steps replay captured CUDA graphs (by
     default on a GPU); `step_fn` another stepping of ar_step's signature (a compiled one)."""
-    from .graphs import GraphedStep
-
     device = mapping.torch_device
     shape = RankShape.of(cfg.model, mapping.tp, mapping.rank)
     model = CharacterDiT(cfg, shape, state, mapping.all_reduce(), tables, device,
                          attention_tiles=attention_tiles, fused_gemm_allreduce=exchange,
                          gemm_plan=gemm_plan)
-    if graphed is None:
-        graphed = device.type == "cuda"
-    if step_fn is None:
-        step_fn = GraphedStep() if graphed else ar_step
-    return Session(model, KVCache(cfg, shape.heads, device), step_fn)
+    return session_of(model, KVCache(cfg, shape.heads, device), FrameSteps(cfg), ar_step, device,
+                      device.type == "cuda" if graphed is None else graphed, step_fn)

@@ -1,17 +1,18 @@
-"""The AR step (one latent frame, denoised in the schedule's passes) and the session driver.
+"""The AR step (one latent frame, denoised in the schedule's passes) and its phase rule.
 
 `ar_step` takes and mutates only tensors: the write position, temporal index and valid mask
-derive on the device from the cache's step counter. Its two static arguments select one of
-three graphs: filling (the first window - 1 steps, masked), steady, and reset (delta rotation
-first). The host knows which from its own loop counter; it never reads the device.
+derive on the device from the cache's step counter. Its static arguments select one of
+three kinds: filling (the first window - 1 steps, masked), steady, and reset (delta rotation
+first). The host knows which from its own step count (FrameSteps); it never reads the
+device. The session, the graphs and the warm-up are charengine/stepping.py's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .cache import KVCache
 from ..config import EngineConfig
+from .cache import KVCache
 from .model import CharacterDiT, patchify, unpatchify
 
 
@@ -43,37 +44,43 @@ def ar_step(model: CharacterDiT, cache: KVCache, noise: torch.Tensor, audio: tor
     return unpatchify(x, spec.latent_channels, spec.latent_h, spec.latent_w, spec.patch)
 
 
-class Session:
-    """Drives one rank through a session: global slots, FP8 calibration, resets.
+class FrameSteps:
+    """The characters family's phase rule (charengine/stepping.py's StepRule): step k is
+    masked while the window fills (the first window - 1 steps), a reset every reset_period
+    steps with delta_rotation, and the FP8 calibration runs before step calibration_steps.
+    The steady and reset steps replay their graphs once the cache is in its final
+    precision."""
 
-    `step_fn` is ar_step or a compiled / graph-captured equivalent with the same signature.
-    """
+    def __init__(self, cfg: EngineConfig):
+        cc, sw = cfg.cache, cfg.switches
+        self.window, self.period, self.calibration = cc.window, cc.reset_period, \
+            cc.calibration_steps
+        self.rotates, self.fp8_kv = sw.delta_rotation, sw.fp8_kv
+        self.warm_up_limit = max(cc.window, cc.calibration_steps) + 2
+        self.steady_step = cc.window - 1
+        self.graphed = True
 
-    def __init__(self, model: CharacterDiT, cache: KVCache, step_fn=ar_step):
-        self.model, self.cache, self.step_fn = model, cache, step_fn
-        self.cfg: EngineConfig = model.cfg
-        self.k = 0  # host-side AR step count: picks the phase, never read from the device
+    def start(self, model: CharacterDiT, cache: KVCache, reference, prompt) -> None:
+        model.forward_global(patchify(reference.float(), model.spec.patch), prompt, cache)
 
-    def start(self, ref_latent: torch.Tensor, prompt: torch.Tensor) -> None:
-        """New reference image latent [C, H, W] and prompt features [prompt_tokens, text_dim]."""
-        self.cache.new_session()
-        self.k = 0
-        self.model.forward_global(patchify(ref_latent.float(), self.model.spec.patch), prompt,
-                                  self.cache)
+    def before(self, cache: KVCache, k: int) -> None:
+        if self.fp8_kv and k == self.calibration:
+            cache.calibrate()
 
-    def phase(self) -> tuple[bool, bool]:
-        """(reset, masked) for the next step."""
-        cc = self.cfg.cache
-        reset = self.cfg.switches.delta_rotation and self.k > 0 and self.k % cc.reset_period == 0
-        return reset, self.k < cc.window - 1
+    def kind(self, k: int) -> dict:
+        masked = k < self.window - 1
+        return {"reset": self.rotates and k > 0 and k % self.period == 0, "masked": masked,
+                "filled": k + 1 if masked else None}
 
-    def step(self, noise: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
-        cc = self.cfg.cache
-        if self.cfg.switches.fp8_kv and self.k == cc.calibration_steps:
-            self.cache.calibrate()
-        reset, masked = self.phase()
-        filled = self.k + 1 if masked else None
-        out = self.step_fn(self.model, self.cache, noise, audio, reset=reset, masked=masked,
-                           filled=filled)
-        self.k += 1
-        return out
+    def steady(self, cache: KVCache, kind: dict) -> bool:
+        return not kind["masked"] and (cache.quantized or not self.fp8_kv)
+
+    def graph_key(self, cache: KVCache, kind: dict):
+        return kind["reset"] if self.steady(cache, kind) else None
+
+    def captures_at(self, cache: KVCache, kind: dict) -> bool:
+        return self.steady(cache, kind)
+
+    def captures(self, cache: KVCache, kind: dict):
+        for reset in (False, True):
+            yield reset, {"reset": reset}

@@ -6,7 +6,7 @@ the family costs nothing."""
 
 from __future__ import annotations
 
-from ..family import FamilyModules
+from ..family import BuildInput, FamilyModules
 
 
 class LiveTalk(FamilyModules):
@@ -55,6 +55,16 @@ class LiveTalk(FamilyModules):
 
     side_files_hint = " (LiveTalk's come from --vae, --wav2vec and --prompt-features or " \
         "--text-encoder)"
+    build_inputs = (
+        BuildInput("vae", "the Wan 2.1 VAE (Wan2.1_VAE.pth; read with weights_only)."),
+        BuildInput("wav2vec", "a local wav2vec2-base-960h directory (transformers)."),
+        BuildInput("prompt_features",
+                   "the prompt as umT5-XXL features [512, 4096] in a safetensors file."),
+        BuildInput("text_encoder",
+                   "a local umT5 encoder directory (transformers) to encode --prompt."),
+        BuildInput("prompt", "the prompt --text-encoder encodes.", path=False))
+    embedded_checkpoints: dict[str, str] = {}
+    random_ok = ("tiny-livetalk",)
 
     def load_side(self, cfg, side: dict, device="cpu"):
         from .sidenets import load_side

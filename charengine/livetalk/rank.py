@@ -10,9 +10,10 @@ import torch
 
 from ..family import GemmProblem
 from ..mapping import Mapping
+from ..stepping import Session, session_of
 from .cache import ChunkCache
 from .model import LiveTalkDiT, fuse_qkv
-from .step import Session, chunk_step
+from .step import ChunkSteps, chunk_step
 from .weights import rank_weights
 
 # linear kind -> a block's linears of that kind (each kind is one GEMM shape); with
@@ -46,16 +47,11 @@ def rank_session(cfg, state, mapping: Mapping, tables=None, gemm_plan=None,
     state), `tables` the baked modulation (baked from `state` when None), `gemm_plan` the
     engine's GEMM choice per linear kind (on a GPU), `graphed` steady chunks replay CUDA
     graphs (by default on a GPU)."""
-    from .graphs import GraphedChunk
-
     device = mapping.torch_device
     dt = getattr(torch, cfg.numerics.dtype)
     model = LiveTalkDiT(cfg, state, device, tables, gemm_plan)
-    if graphed is None:
-        graphed = device.type == "cuda"
-    if step_fn is None:
-        step_fn = GraphedChunk() if graphed else chunk_step
-    return Session(model, ChunkCache(cfg, device, dt), step_fn)
+    return session_of(model, ChunkCache(cfg, device, dt), ChunkSteps(cfg), chunk_step, device,
+                      device.type == "cuda" if graphed is None else graphed, step_fn)
 
 
 def gemm_problems(cfg, state, mapping) -> dict:

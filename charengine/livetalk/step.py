@@ -1,10 +1,13 @@
 """A LiveTalk step: one chunk of latent frames, denoised in the schedule's passes with
 re-noising between them, then the commit pass at t = 0 that writes the clean chunk's K/V;
-and the session that drives it.
+and the phase rule of a session of them.
 
 `chunk_step` reads only tensors apart from its static arguments (the chunk's kind, which
 the host knows from its own count): with the ring cache, write slots and positions derive
-on the device, so the steady and reset chunks replay from CUDA graphs (graphs.py)."""
+on the device, so the steady and reset chunks replay from CUDA graphs. The session, the
+graphs and the warm-up are charengine/stepping.py's; ChunkSteps is this family's rule for
+them. The FP8 calibration between the fill and steady chunks stays eager (a few kernels,
+once a session)."""
 
 from __future__ import annotations
 
@@ -48,25 +51,62 @@ def chunk_step(model: LiveTalkDiT, cache: ChunkCache, noise: torch.Tensor, audio
     return x0.float()
 
 
-class Session:
-    """Drives one model through a session: chunk count, FP8 calibration, the step function
-    (chunk_step or a graphed equivalent of its signature)."""
+STEADY, RESET = "steady", "reset"  # the graphs' keys besides the fill chunks' counts
 
-    def __init__(self, model: LiveTalkDiT, cache: ChunkCache, step_fn=chunk_step):
-        self.model, self.cache, self.step_fn = model, cache, step_fn
-        self.cfg = model.cfg
-        self.k = 0  # host-side chunk count: picks the chunk's kind, never read from the device
 
-    def start(self, ref_latent: torch.Tensor, prompt: torch.Tensor) -> None:
-        """New reference latent [C, h, w] and prompt features [prompt_tokens, text_dim]."""
-        self.cache.new_session()
-        self.k = 0
-        self.model.start(ref_latent, prompt, self.cache)
+class ChunkSteps:
+    """The LiveTalk family's phase rule (charengine/stepping.py's StepRule): step k is chunk
+    k; the FP8 calibration runs before chunk calibration_chunks over the slots written so
+    far. With the ring cache the steady and reset chunks replay their graphs and, with
+    graph_fill_chunks, so does each chunk that fills the cache (each of its own shape);
+    without the ring every chunk reads host-side offsets and runs eagerly."""
 
-    def step(self, noise: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
-        cc = self.cfg.cache
-        if self.cfg.switches.fp8_kv and self.k == cc.calibration_chunks:
-            self.cache.calibrate(self.cache.valid_slots(self.k - 1))
-        out = self.step_fn(self.model, self.cache, noise, audio, self.k)
-        self.k += 1
-        return out
+    def __init__(self, cfg):
+        spec, cc, sw = cfg.model, cfg.cache, cfg.switches
+        self.fp8_kv, self.calibration = sw.fp8_kv, cc.calibration_chunks
+        self.graphed, self.fill_graphs = sw.ring_cache, sw.graph_fill_chunks
+        self.steady_step = spec.sink_chunks + spec.window_chunks
+        self.warm_up_limit = max(self.steady_step, cc.calibration_chunks) + 2
+
+    def start(self, model: LiveTalkDiT, cache: ChunkCache, reference, prompt) -> None:
+        model.start(reference, prompt, cache)
+
+    def before(self, cache: ChunkCache, k: int) -> None:
+        if self.fp8_kv and k == self.calibration:
+            cache.calibrate(cache.valid_slots(k - 1))
+
+    def kind(self, k: int) -> dict:
+        return {"c": k}
+
+    def steady(self, cache: ChunkCache, c: int) -> bool:
+        """Chunk c has the steady shape: the window is full and the cache in its final
+        precision."""
+        return c >= cache.S + cache.W - 1 and (cache.quantized or not cache.fp8_kv)
+
+    def graph_key(self, cache: ChunkCache, kind: dict):
+        if not self.graphed:
+            return None
+        c = kind["c"]
+        if self.steady(cache, c):
+            return RESET if cache.is_reset(c) else STEADY
+        return c
+
+    def captures_at(self, cache: ChunkCache, kind: dict) -> bool:
+        return self.steady(cache, kind["c"])
+
+    def captures(self, cache: ChunkCache, kind: dict):
+        """The steady and reset chunks at the chunk counts after `kind`'s, and with
+        graph_fill_chunks each fill chunk at its count, the cache's precision set to the one
+        that chunk runs in."""
+        c = kind["c"] + 1
+        for reset in (False, True) if cache.reset_on else (False,):
+            at = next(i for i in range(c, c + cache.R + 1) if cache.is_reset(i) == reset)
+            yield (RESET if reset else STEADY), {"c": at}
+        if self.fill_graphs:
+            quantized = cache.quantized
+            try:
+                for f in range(cache.first_steady()):
+                    cache.quantized = cache.quantized_at(f)
+                    yield f, {"c": f}
+            finally:
+                cache.quantized = quantized

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import EngineConfig
-from .model import conditioning_vector
-from ..ops import gated_residual, modulate, rms_norm_heads, swiglu
-from .rope import RopeTables
-from ..rope import cos_sin, rotate
+from charengine.config import EngineConfig
+from charengine.characters.model import conditioning_vector
+from charengine.ops import gated_residual, modulate, rms_norm_heads, swiglu
+from charengine.characters.rope import RopeTables
+from charengine.rope import cos_sin, rotate
 
 
 def block_causal_mask(G: int, T: int, frames: int, window: int, device=None) -> torch.Tensor:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import audio as audio_mod
-from .spec import ModelSpec
-from .sidenets import SideNets, load_side, random_side_state
-from .step import Session
+from charengine.characters import audio as audio_mod
+from charengine.characters.spec import ModelSpec
+from charengine.characters.sidenets import SideNets, load_side, random_side_state
+from charengine.stepping import Session
 
 
 def random_model_side(spec: ModelSpec, trained: dict[str, torch.Tensor], seed: int = 0) -> SideNets:
