@@ -355,7 +355,7 @@ class BlockOps:
         exchange = exchange if sw.fused_gemm_allreduce else None
         self.labels = labels = Labels()
         self.epilogues = epi = epilogues(cfg)
-        act = self.act = act_quant.select() if sw.fused_act_quant else act_quant.plain()
+        act = self.act = act_quant.select(sw.fused_act_quant)
         add = self.add_residual = ResidualAdd(sw.fused_act_quant)
         if not num.fp8_gemm:
             self.norm_in = NormModulate(add, eps)
@@ -381,8 +381,7 @@ class BlockOps:
             self.pre_attention = RopeAtReadPreAttention(act, eps)
         kernel = None
         if sw.fp8_attention_kernel and sw.fp8_kv:
-            pick = attention.select_amax if swiglu_epi else attention.select
-            kernel = pick(spec.head_dim, attention_tiles)
+            kernel = attention.select(spec.head_dim, attention_tiles, amax=swiglu_epi)
         self.attention = Attention(cfg, kernel, swiglu_epi, shape.heads * spec.head_dim, dtype,
                                    labels)
         out_input = OutInput(act, num.fp8_gemm, swiglu_epi, labels)

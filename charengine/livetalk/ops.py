@@ -385,7 +385,7 @@ class BlockOps:
         fp8_linears = any(v.dtype == fp8.FP8 for v in w.values())
         fused_input = fp8_linears and sw.fused_act_quant
         fused_residual = fused_input and sw.fused_residual
-        act = act_quant.select() if sw.fused_act_quant else act_quant.plain()
+        act = act_quant.select(sw.fused_act_quant)
         self.linear = linear = Linears(w, act, gemms, dtype,
                                        num.fast_accum and device.type == "cuda",
                                        spec.chunk_tokens, sw.gemm_bias)
@@ -399,7 +399,7 @@ class BlockOps:
         else:
             self.block_input = NormInput(T, eps)
         plain_pre, sdpa = PlainPreAttention(heads, eps), CacheAttention()
-        wide = WidePreAttention(pre_attention_width.op, heads, eps) \
+        wide = WidePreAttention(pre_attention_width.select(), heads, eps) \
             if sw.fused_wide_pre_attention else plain_pre
         self.filling = Phase(wide, sdpa)
         if num.fp8_attention:
@@ -408,7 +408,7 @@ class BlockOps:
                 tiles = dataclasses.replace(tiles, pipelined=True)
             kernel = Fp8CacheAttention(attention.select(spec.head_dim, tiles), act, spec,
                                        dtype)
-            pre = Fp8PreAttention(pre_attention_width.op, heads, eps) \
+            pre = Fp8PreAttention(pre_attention_width.select(), heads, eps) \
                 if sw.fused_pre_attention else plain_pre
             self.quantized = Phase(pre, kernel)
         else:
@@ -417,7 +417,7 @@ class BlockOps:
             if fused_residual else AttentionResidual(w, spec.dim, eps)
         if sw.fp8_cross_attention and sw.text_kv_once and num.fp8_attention:
             self.cross_attention = Fp8CrossAttention(
-                linear, w, rms_norm_op.select_heads_quant(),
+                linear, w, rms_norm_op.select(heads_quant=True),
                 attention.select(spec.head_dim, attention.CROSS_TILES), spec, dtype)
         else:
             self.cross_attention = CrossAttention(

@@ -202,9 +202,9 @@ def use_row_kernels(module: nn.Module) -> None:
 
     for m in module.modules():
         if isinstance(m, Upsample):
-            m.double_rows = pixel_rows.select_nearest2x()
+            m.double_rows = pixel_rows.select("nearest2x")
         if isinstance(m, ResBlock):
-            m.bias_residual = pixel_rows.select_bias_residual()
+            m.bias_residual = pixel_rows.select("bias_residual")
 
 
 class RMSNorm(nn.Module):
@@ -231,7 +231,7 @@ def use_fused_norms(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, RMSNorm):
             m.norm = channel_norm.select()
-            m.taps = channel_norm.select_taps()
+            m.taps = channel_norm.select(taps=True)
 
 
 class ResBlock(nn.Module):

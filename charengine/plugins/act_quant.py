@@ -277,21 +277,19 @@ class ActQuantOps:
     gelu: object
 
 
-def select() -> ActQuantOps:
+def select(fused: bool = True) -> ActQuantOps:
     """The operators (registered below): the Triton kernels on CUDA tensors, the
-    references on CPU ones."""
+    references on CPU ones; not `fused`, the references themselves (fused_act_quant off)."""
+    if not fused:
+        return ActQuantOps(reference, norm_modulate_reference, residual_norm_modulate_reference,
+                           swiglu_reference, concat_quant_reference,
+                           residual_layer_norm_reference, residual_add_norm_modulate_reference,
+                           gelu_quant_reference)
     ops = torch.ops.charengine
     return ActQuantOps(ops.act_quant.default, ops.norm_modulate_quant.default,
                        ops.residual_norm_modulate_quant.default, ops.swiglu_quant.default,
                        ops.concat_quant.default, ops.residual_layer_norm_quant.default,
                        ops.residual_add_norm_modulate_quant.default, ops.gelu_quant.default)
-
-
-def plain() -> ActQuantOps:
-    """The references, used where fused_act_quant is off."""
-    return ActQuantOps(reference, norm_modulate_reference, residual_norm_modulate_reference,
-                       swiglu_reference, concat_quant_reference, residual_layer_norm_reference,
-                       residual_add_norm_modulate_reference, gelu_quant_reference)
 
 
 registry.register("act_quant", "(Tensor x) -> (Tensor, Tensor)", reference, triton_act_quant,

@@ -273,20 +273,15 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
-def select(head_dim: int, tiles: AttentionTiles | None = None):
+def select(head_dim: int, tiles: AttentionTiles | None = None, amax: bool = False):
     """For head dims the kernel supports, the op (registered below: the Triton kernel with
     `tiles`, else the default, on CUDA tensors; the reference on CPU ones), with
-    `reference`'s signature; else the reference."""
+    `reference`'s signature (with `amax`, `reference_amax`'s: the output's maxima too); else
+    that reference."""
     if not supports(head_dim):
-        return reference
-    return functools.partial(_op, tiles=(tiles or AttentionTiles()).spec())
-
-
-def select_amax(head_dim: int, tiles: AttentionTiles | None = None):
-    """As `select`, for the op that also gives the output's maxima (`reference_amax`)."""
-    if not supports(head_dim):
-        return reference_amax
-    return functools.partial(_op_amax, tiles=(tiles or AttentionTiles()).spec())
+        return reference_amax if amax else reference
+    return functools.partial(_op_amax if amax else _op,
+                             tiles=(tiles or AttentionTiles()).spec())
 
 
 def _op_amax(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype, tiles: str):

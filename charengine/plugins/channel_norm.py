@@ -80,14 +80,11 @@ def triton_channel_norm_taps(x: torch.Tensor, gain: torch.Tensor, bias: torch.Te
     return taps
 
 
-def select():
-    """The op (registered below): the kernel on CUDA tensors, the reference on CPU ones."""
-    return torch.ops.charengine.channel_norm.default
-
-
-def select_taps():
-    """The taps op (registered below): the kernel on CUDA tensors, the reference on CPU ones."""
-    return torch.ops.charengine.channel_norm_taps.default
+def select(taps: bool = False):
+    """The op (registered below; with `taps`, the one writing a conv's stacked taps): the
+    kernel on CUDA tensors, the reference on CPU ones."""
+    ops = torch.ops.charengine
+    return ops.channel_norm_taps.default if taps else ops.channel_norm.default
 
 
 registry.register("channel_norm_taps",

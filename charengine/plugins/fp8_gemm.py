@@ -77,7 +77,7 @@ def _triton(a_q, a_scale, w_q, w_scale, out_dtype, fast_accum: bool = False,
                                                  fast_accum, tiles)
 
 
-def op(tiles: str = ""):
+def select(tiles: str = ""):
     """The Triton GEMM with `tiles` (a GemmTiles spec; the default tiles when empty)."""
     return functools.partial(_triton, tiles=GemmTiles.parse(tiles).spec() if tiles
                              else GemmTiles().spec())

@@ -81,7 +81,7 @@ def select(choice: str | None, epilogue: str = "plain", device="cuda"):
         if c.backend == "cublaslt":
             return cublaslt.Gemm(device)
         if c.backend == "triton":
-            return fp8_gemm.op(c.tiles)
+            return fp8_gemm.select(c.tiles)
         _need_quack(c)
         return functools.partial(quack_gemm.quack_scaled_mm,
                                  tiles=_quack_tiles(c, quack_gemm.QuackTiles()))

@@ -50,16 +50,15 @@ def triton_bias_residual_rows(h: torch.Tensor, bias: torch.Tensor,
     return out
 
 
-def select_bias_residual():
-    """The block-end op (registered below): the kernel on CUDA tensors, the reference on CPU
-    ones."""
-    return torch.ops.charengine.bias_residual_rows.default
+OPS = ("bias_residual", "nearest2x")  # the block end and the resize
 
 
-def select_nearest2x():
-    """The resize op (registered below): the kernel on CUDA tensors, the reference on CPU
+def select(op: str):
+    """Op `op` of OPS (registered below): the kernel on CUDA tensors, the reference on CPU
     ones."""
-    return torch.ops.charengine.nearest2x_rows.default
+    if op not in OPS:
+        raise ValueError(f"pixel_rows: unknown op {op!r}; known: {', '.join(OPS)}")
+    return getattr(torch.ops.charengine, f"{op}_rows").default
 
 
 registry.register("nearest2x_rows", "(Tensor rows) -> Tensor", nearest2x_reference,

@@ -99,6 +99,12 @@ def triton_pre_attention_width(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, 
     return q8, q_scale
 
 
+def select():
+    """The op (registered below): the Triton kernel on CUDA tensors, the reference on CPU
+    ones; `reference`'s signature and result."""
+    return op
+
+
 def op(q, k, v, q_norm, k_norm, eps, cos, sin, k_store, v_store, k_scale, v_scale,
        write_index):
     """The registered op (the kernel on CUDA tensors, the reference on CPU ones), with

@@ -67,14 +67,11 @@ def triton_rms_norm_heads_quant(x: torch.Tensor, weight: torch.Tensor, eps: floa
     return q, s
 
 
-def select_heads_quant():
-    """The fused norm and per-head quantization (registered below)."""
-    return torch.ops.charengine.rms_norm_heads_quant.default
-
-
-def select():
-    """The op (registered below): the kernel on CUDA tensors, the reference on CPU ones."""
-    return torch.ops.charengine.rms_norm_width.default
+def select(heads_quant: bool = False):
+    """The op (registered below; with `heads_quant`, the norm with the per-head FP8
+    quantization after it): the kernel on CUDA tensors, the reference on CPU ones."""
+    ops = torch.ops.charengine
+    return ops.rms_norm_heads_quant.default if heads_quant else ops.rms_norm_width.default
 
 
 registry.register("rms_norm_width", "(Tensor x, Tensor weight, float eps) -> Tensor", reference,
