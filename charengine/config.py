@@ -31,7 +31,7 @@ class Numerics:
     fp8_attention: bool = True
     # FP8 GEMMs without promoting partial sums to fp32 (GPU only), as vLLM's sm90 FP8 GEMMs
     # run: more error per GEMM than promoted sums, far less than FP8 quantization's own, and a
-    # faster step (docs/PERFORMANCE.md, "Fast accumulation")
+    # faster step (docs/PERFORMANCE_LOG.md, "Fast accumulation")
     fast_accum: bool = True
     # the block linears fast_accum applies to, by the family's names for them (the
     # characters family's: "w_in", "w_out"; its check_config names the unknown); None: all

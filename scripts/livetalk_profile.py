@@ -5,7 +5,7 @@ grouped (GEMMs, attention, quantization, norms and the rest), beside the chunk's
 attention floors at the GPU's dense peaks. Each timed chunk's inputs are drawn and on the
 device before its timing starts, as livetalk_long_session.py times a chunk (drawn inside
 it, their host-side draw left the GPU idle for about 4 ms of each chunk's figure:
-docs/PERFORMANCE.md).
+docs/PERFORMANCE_LOG.md).
 
     python scripts/livetalk_profile.py --preset livetalk-1.3b --arm preset \\
         --out docs/results/livetalk/profile_livetalk-1.3b_preset.json

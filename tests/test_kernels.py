@@ -249,7 +249,7 @@ def test_triton_fp8_gemm_accumulates_as_cublaslt_does(M, N, K):
     to fp32: cuBLASLt promotes by default and not with fast accumulation, and the Triton
     kernel follows the same numerics switch. fp32 outputs, so the error is the accumulation's,
     against fp32 sums of the exact products: over a long sum (K = 12,800) the promoted ones
-    are less than a tenth as far off as the unpromoted ones (the errors: docs/PERFORMANCE.md,
+    are less than a tenth as far off as the unpromoted ones (the errors: docs/PERFORMANCE_LOG.md,
     "Fast accumulation")."""
     g = torch.Generator(device=DEV).manual_seed(N)
     aq, a_s = fp8.quantize_rows(torch.randn(M, K, device=DEV, generator=g))
@@ -263,7 +263,7 @@ def test_triton_fp8_gemm_accumulates_as_cublaslt_does(M, N, K):
                                                               fast_accum=fast))):
             err[lib, fast] = float(rel_err(exact[None], out[None])[0])
     assert max(err.values()) < 1e-2, err  # and the shapes and masks are right
-    for fast in (False, True):  # the same numerics (docs/PERFORMANCE.md, "Fast accumulation")
+    for fast in (False, True):  # the same numerics (docs/PERFORMANCE_LOG.md, "Fast accumulation")
         assert err["triton", fast] <= 1.01 * err["cublaslt", fast] + 1e-7, err
     if K > 1024:
         for lib in ("cublaslt", "triton"):
@@ -330,7 +330,7 @@ def test_quack_fp8_gemm_matches_cublaslt_fast_accumulation(M, N, K):
     """The CuTe DSL GEMM (plugins/quack_gemm.py; skipped where quack-kernels is not
     installed) with the rowwise scales in its epilogue: in bf16 outputs its error against
     exact sums equals cuBLASLt's with fast accumulation (bench_kernels' numbers:
-    docs/PERFORMANCE.md, "A CuTe DSL GEMM: QuACK")."""
+    docs/PERFORMANCE_LOG.md, "A CuTe DSL GEMM: QuACK")."""
     pytest.importorskip("quack")
     from charengine.plugins import quack_gemm
 

@@ -50,6 +50,6 @@ def test_tp2_on_two_gpus_equals_tp1(tmp_path):
     print(report)
     assert report["second session"][0] < 1e-3, report  # a new session replays the same graphs
     assert report["fused vs nccl"][0] < 2e-2 and report["fused vs nccl"][1] < 1e-3, report
-    # as the CPU layout test bounds TP-N against TP-1 (the CPU's distance: docs/PERFORMANCE.md,
+    # as the CPU layout test bounds TP-N against TP-1 (the CPU's distance: docs/PERFORMANCE_LOG.md,
     # "GPU test runs")
     assert report["fused vs tp1"][0] < 2e-2, report

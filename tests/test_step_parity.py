@@ -43,7 +43,7 @@ def test_the_residual_add_in_the_gemm_epilogue_is_the_same_sum():
     weight scale (plugins/gemm_residual.py). In fp32 with FP8 GEMMs that is the same sum
     as the unfused add up to fp32 rounding, which FP8 quantization can amplify where a value
     sits on an e4m3 rounding boundary; a gate from the wrong pass is far outside the bound.
-    In bf16 it rounds once instead of twice (the measured distances: docs/PERFORMANCE.md,
+    In bf16 it rounds once instead of twice (the measured distances: docs/PERFORMANCE_LOG.md,
     "The residual add in the GEMM epilogue")."""
     fp32 = Numerics(dtype="float32", fp8_attention=False)
     for numerics, bound in ((fp32, 2e-4), (Numerics(), 5e-3)):
@@ -62,7 +62,7 @@ def test_swiglu_in_the_input_projection_epilogue_is_the_same_block():
     fp32 that is the unfused block up to rounding that FP8 can amplify; in bf16 within the
     roundings it skips. Also with the residual in the output projection's epilogue; gate and
     up rows left unpaired are far outside the bound (the measured distances:
-    docs/PERFORMANCE.md, "The block's quantizations in the GEMM epilogues")."""
+    docs/PERFORMANCE_LOG.md, "The block's quantizations in the GEMM epilogues")."""
     fp32 = Numerics(dtype="float32", fp8_attention=False)
     for numerics, bound in ((fp32, 2e-4), (Numerics(), 5e-3)):
         sw = Switches(fp8_kv=numerics.fp8_attention)

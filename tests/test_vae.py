@@ -46,4 +46,4 @@ def test_vae_reconstructs_held_out_clips():
     assert max(rel) < 0.5, rel
 
 
-PSNR_FLOOR = 18.0  # below every held-out clip's PSNR (docs/PERFORMANCE.md, "The tiny VAE")
+PSNR_FLOOR = 18.0  # below every held-out clip's PSNR (docs/PERFORMANCE_LOG.md, "The tiny VAE")

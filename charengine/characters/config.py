@@ -72,14 +72,14 @@ class Switches:
     # QuACK, as the GEMM plan says; the AdaLN gate folded into the weight scale per pass),
     # taking over from fused_residual where the GEMMs are FP8 and AdaLN is baked. Off: with
     # cuBLASLt it moves time from activation quantization into the GEMMs and leaves the TP-3
-    # step where it was (docs/PERFORMANCE.md, "The residual add in the GEMM epilogue"); on
+    # step where it was (docs/PERFORMANCE_LOG.md, "The residual add in the GEMM epilogue"); on
     # with gemm_swiglu in the target h100-tp3-quack. Not a waterfall arm.
     gemm_residual: bool = False
     # SwiGLU in the input projection's epilogue, with each row's |max| (QuACK; the projection
     # split into a q/k/v GEMM and a (gate, up)-paired one), the FP8 attention kernel giving
     # its rows' |max| too, and the output projection's input quantized with no row reduction
     # (plugins/quack_gemm.py, plugins/act_quant.concat_quant_reference); measured with
-    # gemm_residual in docs/PERFORMANCE.md, "The block's quantizations in the GEMM
+    # gemm_residual in docs/PERFORMANCE_LOG.md, "The block's quantizations in the GEMM
     # epilogues". Needs quack-kernels on a GPU, an optional extra, so it is off but in the
     # target h100-tp3-quack; the plain path is the references, on any device. Not a
     # waterfall arm.

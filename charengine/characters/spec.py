@@ -14,11 +14,10 @@ class SideSpec:
     """The networks around the DiT: audio encoder (every step, on the decoder's GPU), latent
     decoder (every step, its own GPU), image and text encoders (once per session).
 
-    The characters-57b sizes are ours, set against the paper's timings: its decoder takes
-    114 ms per latent on an H100 in bf16 and its audio encoder 9 ms per step. Ours, a decoder
-    of (768, 768, 384, 192, 192) channels with three convs per stage (33 TFLOP) and a 4-layer
-    audio encoder, are timed by scripts/bench_sidenets.py (docs/PERFORMANCE.md, "Side
-    networks at characters-57b size")."""
+    The characters-57b sizes are ours, set against the paper's timings of its decoder and
+    audio encoder: a decoder of (768, 768, 384, 192, 192) channels with three convs per stage
+    and a 4-layer audio encoder, timed by scripts/bench_sidenets.py (docs/PERFORMANCE.md,
+    "Side networks at characters-57b size")."""
 
     sample_rate: int = 16000
     n_fft: int = 400

@@ -115,12 +115,11 @@ class AudioSpec:
 
 # The released wav2vec2-base-960h. The default window is 80 frames (5 s): LiveTalk trained on
 # clips of 81 video frames, so the encoder sees about the span of audio it saw in training; 4 s
-# of it is context (also the positional conv's reach). With random weights of these shapes on
-# 10 s of speech-like audio the window rows differ from the whole clip's by 80% (relative L2;
-# 53% at 8 s of context), about as much as a 5 s clip's offline rows differ from a 10 s clip's
-# (68%): random attention is nearly uniform, so these bound the real model's difference from
-# above. Lookahead barely moved them (0 to 16 frames: 80.4% to 79.6%); 4 frames (250 ms of
-# latency) leave room for the mouth's lead over the sound.
+# of it is context (also the positional conv's reach). With random weights the window's rows
+# differ from the whole clip's about as much as a shorter clip's offline rows differ from a
+# longer one's (random attention is nearly uniform, so this bounds the real model's
+# difference from above; docs/DECISIONS.md, "LiveTalk"); lookahead barely moves it, and 4
+# frames of it leave room for the mouth's lead over the sound.
 BASE_960H = AudioSpec()
 # CPU size; the CNN keeps wav2vec2-base's kernels and strides (320-sample stride, 400-sample
 # field), so frame timing is identical.

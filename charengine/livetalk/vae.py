@@ -45,9 +45,8 @@ class VaeSpec:
     temporal_downsample: tuple[bool, ...] = (False, True, True)
     mean: tuple[float, ...] = WAN21_MEAN
     std: tuple[float, ...] = WAN21_STD
-    # the VAE's dtype where it runs on a GPU (fp32 on a CPU): bf16 decodes a steady chunk in
-    # 127 ms against fp32's 179 on an H200, its frames within 0.025 of fp32's
-    # (scripts/bench_livetalk_sidenets.py, docs/PERFORMANCE.md)
+    # the VAE's dtype where it runs on a GPU (fp32 on a CPU): bf16, the faster, its frames
+    # close to fp32's (measured by scripts/bench_livetalk_sidenets.py; docs/PERFORMANCE_LOG.md)
     gpu_dtype: str = "bfloat16"
 
     def __post_init__(self):

@@ -27,9 +27,8 @@ from . import registry
 
 reference = fp8.quantize_rows
 # act_quant's one-pass kernel: rows up to ROW_LANES lanes wide held in registers, a warp for
-# each ROW_LANES_PER_WARP (one warp at LiveTalk's 1,536: 4.2 us a 3,072-token call against
-# 5.4 with four and 6.3 for the two-pass kernel; scripts/livetalk_kernels.py --only
-# epilogues, docs/PERFORMANCE.md)
+# each ROW_LANES_PER_WARP (one warp at LiveTalk's 1,536, faster there than four warps or the
+# two-pass kernel: scripts/livetalk_kernels.py --only epilogues; docs/PERFORMANCE_LOG.md)
 ROW_LANES, ROW_LANES_PER_WARP = 16384, 2048
 
 
@@ -117,7 +116,7 @@ def triton_norm_modulate_quant(h, shift, scale, eps, warps: int | None = None):
     """The kernel; arguments and result as `norm_modulate_reference`. One program per token
     holds its whole row in registers; `warps` default: one per 1,024 lanes, at most 8 (the
     faster at d = 7,680, with and without the residual: scripts/bench_kernels.py --only act,
-    docs/PERFORMANCE.md, "Kernels alone")."""
+    docs/PERFORMANCE_LOG.md, "Kernels alone")."""
     return _norm_modulate(h, None, None, shift, scale, eps, warps)[:2]
 
 
@@ -219,7 +218,7 @@ def pow2_split(n: int) -> tuple[int, int]:
 def triton_swiglu_quant_row(attn, gate, up, warps: int = 16):
     """The one-pass kernel (the row in registers, every input read once); arguments and
     result as `swiglu_reference`. 16 warps: the faster at the rank slice
-    (scripts/bench_kernels.py --only act, docs/PERFORMANCE.md)."""
+    (scripts/bench_kernels.py --only act, docs/PERFORMANCE_LOG.md)."""
     T, A, M, q, s = _swiglu_outputs(attn, gate, up)
     from .kernels.act_quant import swiglu_quant_row_kernel
 
@@ -236,7 +235,7 @@ def triton_concat_quant(attn, attn_amax, y, y_amax, chunk: int = 2048, warps: in
     (token, chunk of `chunk` columns): the maxima come in, so no program waits on a row
     reduction (2,048 columns, 2 warps; faster at the TP-3 rank slice than SwiGLU +
     quantization from the input projection's gate and up, and than without attn_amax:
-    scripts/bench_kernels.py --only epilogues, docs/PERFORMANCE.md)."""
+    scripts/bench_kernels.py --only epilogues, docs/PERFORMANCE_LOG.md)."""
     import triton
 
     T, A = attn.shape
@@ -259,7 +258,7 @@ def triton_concat_quant(attn, attn_amax, y, y_amax, chunk: int = 2048, warps: in
 
 
 # The SwiGLU kernel the op runs: the one-pass kernel, faster than the two-pass one at the
-# rank slice (scripts/bench_kernels.py, docs/PERFORMANCE.md).
+# rank slice (scripts/bench_kernels.py, docs/PERFORMANCE_LOG.md).
 triton_swiglu = triton_swiglu_quant_row
 
 

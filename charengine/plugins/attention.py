@@ -53,7 +53,7 @@ def reference_amax(q8, q_scale, k8, v8, k_scale, v_scale, out_dtype):
 @dataclass(frozen=True)
 class AttentionTiles:
     """Tile sizes and variant; the default is the fastest measured on the H200 at the
-    characters-57b TP-3 rank slice (scripts/bench_kernels.py, docs/PERFORMANCE.md)."""
+    characters-57b TP-3 rank slice (scripts/bench_kernels.py, docs/PERFORMANCE_LOG.md)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -62,7 +62,7 @@ class AttentionTiles:
     p_fp8: bool = True  # P V as an FP8 dot (else P and V in bf16); fast with V stored [D, S]
     tma: bool = True  # tiles through TMA descriptors (else pointer loads)
     # the softmax in fewer instructions per score (kernels/attention.py, _softmax_fma);
-    # faster at the rank slice (docs/PERFORMANCE.md, the kernels' table)
+    # faster at the rank slice (docs/PERFORMANCE_LOG.md, the kernels' table)
     fma: bool = True
     # with TMA: resident programs per SM the grid is planned for (0: one program per query
     # tile). Where the tiles leave the GPU's last round part-empty, that round's tiles are
@@ -94,13 +94,13 @@ class AttentionTiles:
 
 # LiveTalk-1.3B's attention (12 heads x 3,072 queries over 15,360 keys): 576 tiles of 64
 # queries, two programs to an SM (264 on an H200): two rounds of whole tiles, then the other
-# 48 in five key ranges; 53.7 ms a steady chunk against 63.5 one program per tile (three
-# programs to an SM, at 2 stages and 168 registers, measured 55.6; docs/PERFORMANCE.md)
+# 48 in five key ranges; faster than one program per tile at two or three programs to an SM
+# (scripts/livetalk_kernels.py; docs/PERFORMANCE_LOG.md)
 SPLIT_TILES = AttentionTiles(split_ctas_per_sm=2)
 # LiveTalk-1.3B's cross-attention (12 heads x 3,072 queries over the prompt's 512 keys):
-# 64-key tiles through pointer loads, one program per query tile, 20.0 us a call against 20.6
-# through TMA, 27.4 for cuDNN's bf16 SDPA, and 25.4 + 5.5 to merge as SPLIT_TILES's pipelined
-# kernel in the chunk (scripts/livetalk_kernels.py --only cross_attention, docs/PERFORMANCE.md)
+# 64-key tiles through pointer loads, one program per query tile: faster at this shape than
+# through TMA, cuDNN's bf16 SDPA or SPLIT_TILES's pipelined kernel and its merge
+# (scripts/livetalk_kernels.py --only cross_attention; docs/PERFORMANCE_LOG.md)
 CROSS_TILES = AttentionTiles(64, 64, 4, 3, p_fp8=True, tma=False, fma=True)
 
 

@@ -1,7 +1,7 @@
 """cuBLASLt's FP8 matmul through its C API (ctypes, on the library torch has loaded): the
 kernel `torch._scaled_mm` runs, with the rowwise (outer-vector) scales it uses, plus what
 `_scaled_mm` does not expose: a C matrix added in the epilogue, D = (A B) + C, at no measured
-cost at the output projection (scripts/bench_gemm_modes.py, docs/PERFORMANCE.md).
+cost at the output projection (scripts/bench_gemm_modes.py, docs/PERFORMANCE_LOG.md).
 
 Row-major D [M, N] = (a [M, K] * sa [M]) (w [N, K] * sw [N])^T (+ C [M, N]) is cuBLASLt's
 column-major D^T = op(W) A^T: its "A" is the weight (transposed), its "B" the activations.
@@ -78,7 +78,7 @@ class Matmul:
     """One shape and numerics: D [M, N] = (a [M, K] * sa [M]) (w [N, K] * sw [N])^T, plus
     C [M, N] (beta = 1) when `with_c`, plus a bias row [N] when `with_bias`. The algorithm is cuBLASLt's heuristic choice, picked
     once, at the first call (the heuristic needs the scale pointers set; it offers one
-    algorithm at the rank-slice shapes: docs/PERFORMANCE.md)."""
+    algorithm at the rank-slice shapes: docs/PERFORMANCE_LOG.md)."""
 
     def __init__(self, h: Handle, M: int, N: int, K: int, out_dtype: torch.dtype,
                  fast_accum: bool, with_c: bool, with_bias: bool = False):
@@ -200,7 +200,7 @@ class Gemm:
     cuBLASLt, in `fp8.scaled_mm`'s signature: one Matmul per shape and numerics, made at its
     first call, over a workspace of `workspace_bytes`. With none, cuBLASLt takes only
     algorithms that need no workspace, and so issues no memset of it before each matmul
-    (one more node and its gap in a CUDA graph: docs/PERFORMANCE.md)."""
+    (one more node and its gap in a CUDA graph: docs/PERFORMANCE_LOG.md)."""
 
     def __init__(self, device: torch.device, workspace_bytes: int = 0):
         self.handle = Handle(device, workspace_bytes)

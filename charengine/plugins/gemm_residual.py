@@ -21,7 +21,7 @@ import torch
 from charengine import fp8
 
 # cuBLASLt's workspace for these matmuls: its heuristic asks for 4 bytes at the rank-slice
-# shapes (docs/PERFORMANCE.md); this much leaves it room at any other shape
+# shapes (docs/PERFORMANCE_LOG.md); this much leaves it room at any other shape
 WORKSPACE_BYTES = 4 << 20
 
 

@@ -1,7 +1,7 @@
 """The Wan VAE decoder's elementwise passes over pixel rows [T, H, W, C] in the frames layout,
 as kernels: the nearest 2x spatial resize (each input row read once and written to its four
-output pixels, in place of PyTorch's channels-last nearest kernel: 2.0 ms a steady piece
-against 0.2, docs/PERFORMANCE.md), and a residual block's end, its last conv's bias and the
+output pixels, in place of PyTorch's channels-last nearest kernel, a tenth of its time:
+docs/PERFORMANCE_LOG.md), and a residual block's end, its last conv's bias and the
 residual added in one pass (in place of the conv's broadcast bias add, which runs on
 PyTorch's strided elementwise kernel, and the add after it)."""
 

@@ -8,7 +8,7 @@ chunks before the FP8 cache is calibrated, or a cache that stays in the compute 
 plugins/pre_attention.py is the same op for a per-head norm. Here each query or key program
 reads its tokens' whole rows once, every head, for the sum of squares and the norm (a
 program per (tokens, head) that walked the other heads for the sum took twice as long at
-LiveTalk's shape: docs/PERFORMANCE.md); the values, which need no norm, go a head at a time
+LiveTalk's shape: docs/PERFORMANCE_LOG.md); the values, which need no norm, go a head at a time
 in longer runs of slots. It rounds where the reference rounds (the normed vector to the
 compute dtype before and after the weight, the rotated one again), so the two differ only in
 fp32 summation order: parity tests bound it.
@@ -33,7 +33,7 @@ class RowTiles:
     """The kernel's tiles: tokens per query or key program (their whole rows), tokens per
     value program (one head: runs of that many slots in a value store [H, D, S]) and warps.
     The default is the fastest measured at LiveTalk-1.3B's chunk (scripts/livetalk_kernels.py
-    --only pre_attention, docs/PERFORMANCE.md)."""
+    --only pre_attention, docs/PERFORMANCE_LOG.md)."""
 
     tokens: int = 4
     value_tokens: int = 32

@@ -6,12 +6,12 @@ warp-specialized CuTe DSL GEMM for Hopper, the scales applied in its epilogue
 (`quack_swiglu_mm`, for gemm_swiglu). On CPU tensors, the references.
 
 Measured against `_scaled_mm` by `scripts/bench_kernels.py --only gemm --gemm-libs
-scaled_mm,quack` (docs/PERFORMANCE.md, "A CuTe DSL GEMM: QuACK"): faster with fast
+scaled_mm,quack` (docs/PERFORMANCE_LOG.md, "A CuTe DSL GEMM: QuACK"): faster with fast
 accumulation at both rank-slice projections; its promoted-sum path is several times slower,
 so it serves fast accumulation only. Each tile configuration and epilogue compiles at first
 use: charbuild puts the objects in the engine (charengine/kernel_cache.py). quack and
 nvidia-cutlass-dsl are the optional extra `charengine[quack]`; installed from wheels without
-pip, they must be unpacked under a directory named `site-packages` (docs/PERFORMANCE.md).
+pip, they must be unpacked under a directory named `site-packages` (docs/PERFORMANCE_LOG.md).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class QuackTiles:
 
 
 # The tiles charbuild times (the fastest at the TP-3 rank slice's two projections and their
-# epilogue variants: scripts/bench_kernels.py --only gemm epilogues, docs/PERFORMANCE.md)
+# epilogue variants: scripts/bench_kernels.py --only gemm epilogues, docs/PERFORMANCE_LOG.md)
 CANDIDATES = ("128,256,2,1,0", "128,192,2,1,1", "256,192,1,2,0", "256,160,1,2,0")
 
 
@@ -149,7 +149,7 @@ def quack_swiglu_mm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
 
 
 # The SwiGLU projection's tiles where the plan names none (the fastest measured at the TP-3
-# rank slice, scripts/bench_kernels.py --only epilogues, docs/PERFORMANCE.md)
+# rank slice, scripts/bench_kernels.py --only epilogues, docs/PERFORMANCE_LOG.md)
 SWIGLU_TILES = QuackTiles(128, 192, 2, 1, True)
 
 

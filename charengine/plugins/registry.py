@@ -9,7 +9,7 @@ imports no plugin, so there are no import cycles.
 Registered through torch.library.Library with explicit schemas rather than the
 `torch.library.custom_op` decorator: that one wraps every kernel in a dynamo guard whose first
 call imports torch._dynamo and sympy (seconds more at worker start), and costs several times
-more per call (docs/PERFORMANCE.md).
+more per call (docs/PERFORMANCE_LOG.md).
 
 The fused GEMM + all-reduce is not an op: it holds its TP group's symmetric buffers
 (plugins/gemm_allreduce.py), which an op's schema cannot carry.

@@ -125,7 +125,7 @@ def norm_modulate_quant_kernel(h_ptr, shift_ptr, scale_ptr, q_ptr, s_ptr, o_ptr,
     modulation (or, with AFFINE, the norm's own weight in `scale` and bias in `shift`, one
     rounding as F.layer_norm) and the per-token quantization. Several rows per program
     sharing the modulation vectors, a persistent grid prefetching the next row and chunked
-    passes re-reading the row from L2 all measured slower (docs/PERFORMANCE.md, "Kernels
+    passes re-reading the row from L2 all measured slower (docs/PERFORMANCE_LOG.md, "Kernels
     alone")."""
     row = tl.program_id(0)
     dt = h_ptr.dtype.element_ty
@@ -177,7 +177,7 @@ def swiglu_quant_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, strid
     """One token's row [attn, silu(gate) * up] in chunks of BLOCK: an amax pass, then a
     quantize pass (SwiGLU computed twice, its inputs read twice, the second time mostly from
     L2). It keeps div_rn, as the reference of swiglu_quant_row_kernel's bytes; that kernel,
-    which holds the row in registers, is the faster at the rank slice (docs/PERFORMANCE.md,
+    which holds the row in registers, is the faster at the rank slice (docs/PERFORMANCE_LOG.md,
     "Kernels alone")."""
     row = tl.program_id(0)
     dt = a_ptr.dtype.element_ty
@@ -210,7 +210,7 @@ def swiglu_quant_row_kernel(a_ptr, g_ptr, u_ptr, q_ptr, s_ptr, A, M, stride_a, s
                             stride_u, stride_q, A_HI: tl.constexpr, A_LO: tl.constexpr,
                             M_HI: tl.constexpr, M_LO: tl.constexpr):
     """One token's row [attn, silu(gate) * up] in one pass, held in registers in the compute
-    dtype (fewer registers than fp32, and faster; docs/PERFORMANCE.md, "Kernels alone"):
+    dtype (fewer registers than fp32, and faster; docs/PERFORMANCE_LOG.md, "Kernels alone"):
     each part as its largest power of two (HI, no mask) and the power of two that covers the
     rest (LO, masked; 0 when there is none), so a 10,240-wide MLP row takes 8,192 + 2,048
     lanes instead of 16,384.
@@ -306,7 +306,7 @@ def _gelu_dt(x_ptr, offs, m, dt):
     x / (1 + exp(-2 u)), which needs no tanh and keeps its accuracy near u = 0 and for
     large |u| (where torch's kernel and this one both reach x or 0). The kernel is
     instruction-bound: the exponent is one multiply-add and one multiply, the quotient
-    `_over_one_plus_exp2`'s (docs/PERFORMANCE.md, "Kernels alone")."""
+    `_over_one_plus_exp2`'s (docs/PERFORMANCE_LOG.md, "Kernels alone")."""
     x = tl.load(x_ptr + offs, mask=m, other=0.0 if m is not None else None).to(tl.float32)
     return _over_one_plus_exp2(x, x * tl.math.fma(x * x, GELU_EXP2_B, GELU_EXP2_A)).to(dt)
 

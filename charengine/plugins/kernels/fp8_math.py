@@ -28,7 +28,7 @@ def div_scale(x, s, r):
     are one fp32 unit apart and the e4m3 code moves only at a rounding tie. The per-element
     div_rn was most of these kernels' instructions, and they are instruction-bound at the rank
     slice; the kernels stay bit-identical to div_rn (tests/test_act_quant.py,
-    tests/test_kernels.py; the timings: docs/PERFORMANCE.md, "Kernels alone")."""
+    tests/test_kernels.py; the timings: docs/PERFORMANCE_LOG.md, "Kernels alone")."""
     q = x * r
     return tl.math.fma(tl.math.fma(-q, s, x), r, q)
 

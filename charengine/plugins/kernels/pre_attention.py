@@ -31,7 +31,7 @@ def pre_attention_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, 
                          QUANT: tl.constexpr, QUANT_Q: tl.constexpr):
     """Program (token tile, head, part): part 0 the queries, 1 the keys, 2 the values. Three
     short programs instead of one that does all three, the parts' loads and stores no longer
-    in one chain, are the faster (docs/PERFORMANCE.md, "Kernels alone")."""
+    in one chain, are the faster (docs/PERFORMANCE_LOG.md, "Kernels alone")."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2)
@@ -77,6 +77,6 @@ def pre_attention_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, 
             vs = tl.load(vs_ptr + h)
             v = tl.clamp(div_scale(v, vs, tl.math.div_rn(1.0, vs)), -FP8_MAX, FP8_MAX)
         # A [D, S] store is written through its strides: transposing the tile in registers
-        # first (tl.trans) measured slower (docs/PERFORMANCE.md, "Kernels alone").
+        # first (tl.trans) measured slower (docs/PERFORMANCE_LOG.md, "Kernels alone").
         v_dst = h * stride_voh + slot[:, None] * stride_vos + offs_c[None, :] * stride_vod
         tl.store(vo_ptr + v_dst, v.to(store_ty), mask=mask)
