@@ -52,13 +52,30 @@ class StepRule(Protocol):
 class Session:
     """Drives one rank's model and cache through a session: the host-side step count that
     picks each step's kind, the eager work before a step, the step function (the family's
-    eager step, or StepGraphs over it, or another of its signature)."""
+    eager step, or StepGraphs over it, or another of its signature).
 
-    def __init__(self, model, cache, rule: StepRule, step_fn, device):
+    The model holds the weights and no session's state; the cache holds all of a session's
+    (its K/V, positions, counters and conditioning). `sibling()` is another session over the
+    same model with a cache of its own, so one copy of the weights serves many sessions."""
+
+    def __init__(self, model, cache, rule: StepRule, step_fn, device, new_cache=None,
+                 graph_step=None):
+        """`new_cache()`: a fresh cache for a sibling; `graph_step`: the family's eager step
+        a sibling's StepGraphs wraps (None: siblings step through `step_fn` itself)."""
         self.model, self.cache, self.rule, self.step_fn = model, cache, rule, step_fn
         self.cfg = model.cfg
         self.device = torch.device(device)
+        self.new_cache, self.graph_step = new_cache, graph_step
         self.k = 0  # host-side step count: picks the step's kind, never read from the device
+
+    def sibling(self) -> Session:
+        """A session of its own (cache, step count, graphs) over this one's model."""
+        if self.new_cache is None:
+            raise TypeError("this session was made without a cache factory")
+        step_fn = StepGraphs(self.graph_step, self.rule, self.device) \
+            if self.graph_step is not None else self.step_fn
+        return Session(self.model, self.new_cache(), self.rule, step_fn, self.device,
+                       self.new_cache, self.graph_step)
 
     def start(self, reference: torch.Tensor, prompt: torch.Tensor) -> None:
         """A new session: the reference latent and the prompt's features."""
@@ -118,13 +135,14 @@ class StepGraphs:
         return out
 
 
-def session_of(model, cache, rule: StepRule, step, device, graphed: bool,
+def session_of(model, new_cache, rule: StepRule, step, device, graphed: bool,
                step_fn=None) -> Session:
-    """A rank's session: its steps through `step_fn` if given, else StepGraphs over the
-    family's `step` where `graphed`, else `step` itself."""
+    """A rank's session over a cache from `new_cache()`: its steps through `step_fn` if
+    given, else StepGraphs over the family's `step` where `graphed`, else `step` itself."""
+    graph_step = step if step_fn is None and graphed else None
     if step_fn is None:
         step_fn = StepGraphs(step, rule, device) if graphed else step
-    return Session(model, cache, rule, step_fn, device)
+    return Session(model, new_cache(), rule, step_fn, device, new_cache, graph_step)
 
 
 def warm_up(session: Session, shapes, seed: int = 0) -> int:

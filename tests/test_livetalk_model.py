@@ -83,7 +83,7 @@ def test_plain_path_is_pinned():
 def test_first_chunk_keeps_the_reference_latent_as_frame_zero():
     s = session(FAST_FP32)
     out = rollout(s, inputs(TINY, 1))[0]
-    assert torch.equal(out[:, 0], s.model.ref.float())
+    assert torch.equal(out[:, 0], s.cache.ref.float())
 
 
 @pytest.mark.parametrize("arm", LiveTalkSwitches.ORDER)

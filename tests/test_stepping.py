@@ -130,3 +130,50 @@ def test_charbuild_takes_each_familys_declared_build_inputs():
     out = CliRunner().invoke(main, ["--help"]).output
     flags = [inp.flag for name in FAMILIES for inp in family(name).build_inputs]
     assert flags and all(flag in out for flag in flags)
+
+
+@pytest.mark.parametrize("preset_name", ["tiny", "tiny-livetalk"])
+def test_sibling_sessions_share_the_weights_and_step_as_if_alone(preset_name):
+    """Three sessions over one model, each with its own cache, inputs and step count,
+    stepped interleaved (in an uneven order, one joining late) give each session's frames
+    bit for bit as it gives them alone: nothing of one session reaches another."""
+    cfg = preset(preset_name) if preset_name == "tiny" else \
+        EngineConfig(model=TINY, numerics=FP32,
+                     switches=dataclasses.replace(LiveTalkSwitches(), fp8_kv=False))
+    fam = family(cfg.family)
+    full = fam.random_weights(cfg.model, 0)
+    state, tables = fam.rank_state(cfg, full), fam.bake_tables(cfg, full)
+    shapes, steps = fam.step_shapes(cfg.model), 8
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        ref, prompt = torch.randn(shapes.reference, generator=g), \
+            torch.randn(shapes.prompt, generator=g)
+        return ref, prompt, [(torch.randn(shapes.noise_shape, generator=g),
+                              torch.randn(shapes.features, generator=g)) for _ in range(steps)]
+
+    def alone(seed):
+        s = rank_session(cfg, state, Mapping.single("cpu"), tables=tables)
+        ref, prompt, ins = inputs(seed)
+        with torch.inference_mode():
+            s.start(ref, prompt)
+            return [s.step(n, a) for n, a in ins]
+
+    first = rank_session(cfg, state, Mapping.single("cpu"), tables=tables)
+    sessions = [first, first.sibling(), first.sibling()]
+    assert all(s.model is first.model for s in sessions)
+    assert len({id(s.cache) for s in sessions}) == 3
+    outs, feeds = [[] for _ in sessions], [inputs(10 + i) for i in range(3)]
+    order = [0, 1, 0, 0, 1, 1, 0, 1] * 3 + [2] * 3 + [0, 1, 2] * 8
+    with torch.inference_mode():
+        for i in (0, 1):
+            sessions[i].start(*feeds[i][:2])
+        for i in order:
+            if i == 2 and not outs[2] and sessions[2].k == 0:
+                sessions[2].start(*feeds[2][:2])  # joins after the others have run
+            if len(outs[i]) < steps:
+                outs[i].append(sessions[i].step(*feeds[i][2][len(outs[i])]))
+    assert [len(o) for o in outs] == [steps] * 3
+    for i in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(outs[i], alone(10 + i))), i
+    assert not torch.equal(outs[0][-1], outs[1][-1])

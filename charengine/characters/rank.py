@@ -36,5 +36,6 @@ def rank_session(cfg: EngineConfig, state, mapping: Mapping, tables=None, gemm_p
     model = CharacterDiT(cfg, shape, state, mapping.all_reduce(), tables, device,
                          attention_tiles=attention_tiles, fused_gemm_allreduce=exchange,
                          gemm_plan=gemm_plan)
-    return session_of(model, KVCache(cfg, shape.heads, device), FrameSteps(cfg), ar_step, device,
-                      device.type == "cuda" if graphed is None else graphed, step_fn)
+    return session_of(model, lambda: KVCache(cfg, shape.heads, device), FrameSteps(cfg),
+                      ar_step, device, device.type == "cuda" if graphed is None else graphed,
+                      step_fn)

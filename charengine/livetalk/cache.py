@@ -86,6 +86,9 @@ class ChunkCache:
         self.positions = torch.zeros(self.F, dtype=torch.long, device=dev)
         self.rope = ChunkRope(spec, dev)
         self.text_k = self.text_v = None  # [blocks, heads, prompt_tokens, head_dim]
+        # the session's conditioning (LiveTalkDiT.start): the reference latent, the
+        # conditioning inputs of the first and later chunks, the prompt's text context
+        self.ref = self.y_first = self.y_next = self.context = None
         # with fp8_cross_attention: the same K/V in e4m3 (values stored [blocks, heads,
         # head_dim, slots], as the attention kernel reads them) and their scales [blocks,
         # heads, 1, 1]
@@ -105,6 +108,14 @@ class ChunkCache:
     def new_session(self) -> None:
         self.chunk.zero_()
         self.quantized = False
+
+    def keep(self, name: str, value: torch.Tensor) -> None:
+        """The session's tensor `name` (one of the conditioning's above), in the same buffer
+        every session once it exists: captured graphs read these buffers."""
+        if getattr(self, name) is None:
+            setattr(self, name, value.contiguous())
+        else:
+            getattr(self, name).copy_(value)
 
     def keep_text(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The session's cross-attention K/V, in the same buffers every session (captured

@@ -61,7 +61,6 @@ class LiveTalkDiT:
             self.modulations = self.computed_modulations
         self.rope = self.ops.rope
         self.kv_once = cfg.switches.text_kv_once
-        self.ref = self.y_first = self.y_next = self.context = None
 
     def _gemms(self, plan: dict) -> dict:
         """Each FP8 linear kind's GEMM: the builder's choice on a GPU, else _scaled_mm (or
@@ -107,8 +106,9 @@ class LiveTalkDiT:
     # ---- once per session ----------------------------------------------------------------
     def start(self, ref_latent: torch.Tensor, prompt: torch.Tensor, cache: ChunkCache) -> None:
         """The reference latent [C, h, w] (normalized) and the prompt's features
-        [prompt_tokens, text_dim]: the conditioning inputs, the text context and, with
-        text_kv_once, every block's cross-attention K/V."""
+        [prompt_tokens, text_dim]: the session's conditioning inputs, text context and, with
+        text_kv_once, every block's cross-attention K/V, all kept in `cache` (the session's
+        state; the model holds none)."""
         spec, dt = self.spec, self.dtype
         ref = ref_latent.to(self.device, dt)
         frames = ref[:, None].expand(-1, spec.chunk_frames, -1, -1)
@@ -118,30 +118,23 @@ class LiveTalkDiT:
         mask_first[:, 0] = 0
         x = prompt.to(self.device, dt)
         context = self.linear("text_embedding.2", gelu_tanh(self.linear("text_embedding.0", x)))
-        # written into the same tensors every session: captured graphs read these buffers
-        self._keep("ref", ref)
-        self._keep("y_next", torch.cat([frames, mask]))
-        self._keep("y_first", torch.cat([frames, mask_first]))
-        self._keep("context", context)
+        cache.keep("ref", ref)
+        cache.keep("y_next", torch.cat([frames, mask]))
+        cache.keep("y_first", torch.cat([frames, mask_first]))
+        cache.keep("context", context)
         if self.kv_once:
-            kv = [self.cross_kv(b) for b in range(spec.n_blocks)]
+            kv = [self.cross_kv(b, cache.context) for b in range(spec.n_blocks)]
             k, v = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
             keep = cache.keep_text_fp8 if self.ops.fp8_cross else cache.keep_text
             keep(k, v)
 
-    def _keep(self, name: str, value: torch.Tensor) -> None:
-        """Set buffer `name` to value: in place once it exists."""
-        if getattr(self, name) is None:
-            setattr(self, name, value.contiguous())
-        else:
-            getattr(self, name).copy_(value)
-
-    def cross_kv(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block b's cross-attention k, v [heads, prompt_tokens, head_dim]."""
+    def cross_kv(self, b: int, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block b's cross-attention k, v [heads, prompt_tokens, head_dim] from the session's
+        text context."""
         spec, pre = self.spec, f"blocks.{b}.cross_attn"
-        k = rms_norm(self.linear(f"{pre}.k", self.context), self.w[f"{pre}.norm_k.weight"],
+        k = rms_norm(self.linear(f"{pre}.k", context), self.w[f"{pre}.norm_k.weight"],
                      spec.norm_eps)
-        v = self.linear(f"{pre}.v", self.context)
+        v = self.linear(f"{pre}.v", context)
         return self.heads(k).transpose(0, 1), self.heads(v).transpose(0, 1)
 
     # ---- per chunk -----------------------------------------------------------------------

@@ -372,7 +372,8 @@ def add_pending(h, residual):
 class BlockOps:
     """Every op the LiveTalk DiT runs, chosen once. `w`: the weights on the device (q, k, v
     fused where fused_qkv); `gemms`: the engine's GEMM per linear kind at the chunk's shape
-    (on a GPU); `cross_kv(b)`: block b's prompt K/V computed from the kept context."""
+    (on a GPU); `cross_kv(b, context)`: block b's prompt K/V computed from a session's
+    text context."""
 
     def __init__(self, cfg, w: dict, device, dtype, gemms: dict, cross_kv):
         from ..plugins import act_quant, attention, pre_attention_width
@@ -422,7 +423,8 @@ class BlockOps:
         else:
             self.cross_attention = CrossAttention(
                 linear, w, heads, rms_norm_op.select() if sw.fused_q_norm else rms_norm,
-                kept_text_kv if sw.text_kv_once else (lambda b, cache: cross_kv(b)), eps)
+                kept_text_kv if sw.text_kv_once else (lambda b, cache: cross_kv(b, cache.context)),
+                eps)
         self.fp8_cross = isinstance(self.cross_attention, Fp8CrossAttention)
         self.ffn_input = FusedFfnInput(act, spec.dim, device, dtype, eps) if fused_input \
             else FfnInput(eps)

@@ -50,8 +50,8 @@ def rank_session(cfg, state, mapping: Mapping, tables=None, gemm_plan=None,
     device = mapping.torch_device
     dt = getattr(torch, cfg.numerics.dtype)
     model = LiveTalkDiT(cfg, state, device, tables, gemm_plan)
-    return session_of(model, ChunkCache(cfg, device, dt), ChunkSteps(cfg), chunk_step, device,
-                      device.type == "cuda" if graphed is None else graphed, step_fn)
+    return session_of(model, lambda: ChunkCache(cfg, device, dt), ChunkSteps(cfg), chunk_step,
+                      device, device.type == "cuda" if graphed is None else graphed, step_fn)
 
 
 def gemm_problems(cfg, state, mapping) -> dict:

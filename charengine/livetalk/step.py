@@ -33,19 +33,19 @@ def chunk_step(model: LiveTalkDiT, cache: ChunkCache, noise: torch.Tensor, audio
     rope = model.rope(cache)
     n = cache.valid_slots(c)
     first = c == 0
-    y = model.y_first if first else model.y_next
+    y = cache.y_first if first else cache.y_next
     noise = noise.to(model.device, dt)
     x = noise[0].clone()
     for p in range(sched.passes):
         if first:
-            x[:, 0] = model.ref
+            x[:, 0] = cache.ref
         v = model.forward(x, y, p, cache, cond, rope, n)
         x0 = (x.double() - sigmas[p] * v.double()).to(dt)
         if p + 1 < sched.passes:
             s = sigmas[p + 1]
             x = ((1 - s) * x0.float() + s * noise[p + 1].float()).to(dt)
     if first:
-        x0[:, 0] = model.ref
+        x0[:, 0] = cache.ref
     model.forward(x0, y, sched.passes, cache, cond, rope, n, commit=True)
     cache.end_chunk()
     return x0.float()
