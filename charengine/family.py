@@ -236,9 +236,15 @@ class Side(Protocol):
         """The decoder and the audio encoder of loaded side networks (`load_side` on the CPU)
         as the graphs charbuild --export-onnx writes."""
 
-    def decode_pieces(self, side, latent: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    def decode_pieces(self, side, latent: torch.Tensor,
+                      decoder=None) -> tuple[torch.Tensor, ...] | None:
         """A step's latent as the decoder calls a live session hands on one by one (None:
-        decoded whole)."""
+        decoded whole); `decoder`: the session's (session_decoder), else the side's own."""
+
+    def session_decoder(self, side):
+        """A decoder for one more session over the side networks' weights: its own causal
+        state, `reset()` and call as `side.decoder`'s (many sessions, one copy of the
+        weights)."""
 
 
 class Family(Shapes, Checkpoint, Rank, Speech, Side, Protocol):
@@ -277,10 +283,14 @@ class FamilyModules:
     def warm_up_side(self, side, spec, device) -> None:
         self._module("warmup").warm_up_side(side, spec, device)
 
-    def decode_pieces(self, side, latent: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    def decode_pieces(self, side, latent: torch.Tensor,
+                      decoder=None) -> tuple[torch.Tensor, ...] | None:
         """A step's latent as the decoder's successive calls, in order, whose frames a live
         session hands on as each is decoded; None where the decoder takes a step whole."""
         return None
+
+    def session_decoder(self, side):
+        return self._module("sidenets").session_decoder(side)
 
     def steady_from(self, cfg) -> int:
         return 1  # a session's first step is measured apart

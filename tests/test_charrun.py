@@ -119,7 +119,8 @@ def test_pipeline_overlaps_decoding_with_the_next_diffusion_and_applies_backpres
     # ran them one after the other would never let it begin (the wait would run out)
     began = [threading.Event() for _ in range(steps)]
     diffused, decoded, overlapped = iter(range(steps)), iter(range(steps)), []
-    step, decode = worker.session.step, worker._decode
+    lane = worker.lanes[0]
+    step, decode = lane.session.step, lane.decode
 
     def step_(*a):
         began[next(diffused)].set()
@@ -131,7 +132,7 @@ def test_pipeline_overlaps_decoding_with_the_next_diffusion_and_applies_backpres
             overlapped.append(began[i + 1].wait(60))
         return decode(*a, **kw)
 
-    worker.session.step, worker._decode = step_, decode_
+    lane.session.step, lane.decode = step_, decode_
     t = worker.run(speech, steps, slow_sink)
     assert len(t.diffusion) == len(t.decode) == len(t.sink) == steps
     assert overlapped == [True] * (steps - 1)

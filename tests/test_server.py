@@ -166,7 +166,7 @@ def test_an_offer_whose_client_never_connects_frees_the_server(server):
     status, _, data = server.request("/offer", json.dumps(offer).encode())
     assert status == 200, data
     status, ctype, data = server.request("/offer", json.dumps(offer).encode())
-    assert status == 409 and "busy" in error_of(status, ctype, data)
+    assert status == 503 and "full: 1 session in progress" in error_of(status, ctype, data)
     number = json.loads(server.request("/status")[2])["sessions"]
     wait_for(lambda: json.loads(server.request("/status")[2])["state"] == "ready", 60)
     assert wait_for(lambda: f"session {number}: the client did not connect within" in

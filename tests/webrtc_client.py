@@ -1,8 +1,9 @@
 """A WebRTC client of charrun --serve without a browser (aiortc), run by the tests inside their
 own network namespace: it sends the page's kind of offer (receive video and audio, an "events"
-data channel), plays the stream, and prints one JSON line per thing that happens: "streaming"
-once video frames arrive, each event the server sends, each /readyz state it polls, and the
-peer connection's end. It exits when the connection ends or after --seconds."""
+data channel), plays the stream, and prints one JSON line per thing that happens: its session
+id once answered, "streaming" once video frames arrive (then, with --report, the frames so
+far every --report seconds), each event the server sends, each /readyz state it polls, and
+the peer connection's end. It exits when the connection ends or after --seconds."""
 
 import argparse
 import asyncio
@@ -80,6 +81,7 @@ async def main(args) -> None:
     if status != 200:
         say("refused", t0, status=status, body=answer)
         return
+    say("answered", t0, session=answer["session"])
     # the server sends the session's events once the channel has said the session's id
     events.on("open", lambda: events.send(json.dumps({"type": "hello",
                                                       "session": answer["session"]})))
@@ -98,13 +100,20 @@ async def main(args) -> None:
                 last = state
             await asyncio.sleep(READYZ_POLL_S)
 
+    async def report():
+        while True:
+            await asyncio.sleep(args.report)
+            say("frames", t0, frames=frames[0])
+
     poller = asyncio.ensure_future(poll_readyz()) if args.readyz else None
+    reporter = asyncio.ensure_future(report()) if args.report else None
     try:
         await asyncio.wait_for(ended.wait(), args.seconds)
     except asyncio.TimeoutError:
         say("timeout", t0, frames=frames[0])
-    if poller is not None:
-        poller.cancel()
+    for task in (poller, reporter):
+        if task is not None:
+            task.cancel()
     await pc.close()
 
 
@@ -114,4 +123,5 @@ if __name__ == "__main__":
     ap.add_argument("--readyz", help="the probe server's /readyz, polled throughout")
     ap.add_argument("--image")
     ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--report", type=float, default=0.0, help="seconds between frame counts")
     asyncio.run(main(ap.parse_args()))

@@ -78,6 +78,31 @@ class Decoder(torch.nn.Module):
         return (torch.tanh(x.float()) + 1) / 2
 
 
+class SessionDecoder:
+    """One more session's decoder over a shared Decoder's weights: the causal convs' states
+    are this session's, swapped in for each call and out after it (the worker decodes one
+    call at a time, so calls of different sessions never overlap)."""
+
+    def __init__(self, decoder: Decoder):
+        self.decoder = decoder
+        self.convs = [m for m in decoder.modules() if isinstance(m, CausalConv3d)]
+        self.states: list[torch.Tensor | None] = [None] * len(self.convs)
+
+    def reset(self) -> None:
+        self.states = [None] * len(self.convs)
+
+    def __call__(self, latent: torch.Tensor) -> torch.Tensor:
+        held = [m.state for m in self.convs]
+        for m, s in zip(self.convs, self.states):
+            m.state = s
+        try:
+            return self.decoder(latent)
+        finally:
+            self.states = [m.state for m in self.convs]
+            for m, s in zip(self.convs, held):
+                m.state = s
+
+
 class ImageEncoder(torch.nn.Module):
     """Reference image [3, H, W] in [0, 1] -> latent [C, h, w]: strided 2-D convs."""
 

@@ -7,7 +7,7 @@ import torch
 
 from .audio import AudioEncoder
 from .spec import ModelSpec
-from .decoder import Decoder, ImageEncoder
+from .decoder import Decoder, ImageEncoder, SessionDecoder
 from .text import TextEncoder
 
 PREFIXES = ("audio_encoder.", "decoder.", "image_encoder.", "text_encoder.")
@@ -20,6 +20,11 @@ class SideNets(torch.nn.Module):
         self.decoder = Decoder(spec)
         self.image_encoder = ImageEncoder(spec)
         self.text_encoder = TextEncoder(spec)
+
+
+def session_decoder(side: SideNets) -> SessionDecoder:
+    """A decoder of its own causal state over the side networks' decoder weights."""
+    return SessionDecoder(side.decoder)
 
 
 def side_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

@@ -162,8 +162,8 @@ class LiveTalk(FamilyModules):
 
         return chunk_features(spec.audio, side.audio_encoder, window, k)
 
-    def decode_pieces(self, side, latent):
-        return side.decoder.per_latent(latent)
+    def decode_pieces(self, side, latent, decoder=None):
+        return (decoder or side.decoder).per_latent(latent)
 
     def steady_from(self, cfg) -> int:
         return self._module("cache").first_steady_chunk(cfg)

@@ -67,6 +67,11 @@ class SideNets(torch.nn.Module):
         return self.prompt.features
 
 
+def session_decoder(side: SideNets) -> StreamingDecoder:
+    """A streaming decoder of its own (its causal state) over the side networks' VAE."""
+    return StreamingDecoder(side.vae)
+
+
 def side_shapes(spec: LiveTalkSpec) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         return {k: tuple(v.shape) for k, v in SideNets(spec, audio_seed=None).state_dict().items()}

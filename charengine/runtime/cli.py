@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # torch is imported when an engine is loaded, after the probe
 
 
 MAX_SEED = 2**63 - 1  # the largest seed torch.Generator takes
+MAX_SESSIONS = 64  # a bound on --sessions: each holds its own caches on the device
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -201,13 +202,19 @@ def side_networks_note(engine: Engine) -> str | None:
 @click.option("--allow-origin", "allow_origins", multiple=True,
               help="With --serve: an origin (https://chars.example.com) whose pages may start "
                    "and control sessions besides the page's own, e.g. your own front end.")
+@click.option("--sessions", type=click.IntRange(min=1, max=MAX_SESSIONS), default=1,
+              show_default=True,
+              help="With --serve: live sessions served at once over one copy of the engine "
+                   "(each with its own caches, decoder state, speech and pacing; their steps "
+                   "take turns on the device, earliest deadline first). An offer past them "
+                   "gets 503 with Retry-After, and /readyz reads busy.")
 @click.option("--check", is_flag=True,
               help="Load the engine and get ready (kernels loaded, warm-up, step graphs "
                    "captured), report what it took and how many kernels had to be compiled, "
                    "and exit.")
 def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serve, host, port,
          ice_servers, slack, livekit, agent_name, health_port, grace_period, allow_hosts,
-         allow_origins, check):
+         allow_origins, sessions, check):
     """Render a talking character (the image animated to the speech, H.264 + AAC MP4), or
     with --serve stream one over WebRTC to a local page."""
     return run(RunConfig(engine_dir, image=image, fit=fit, background=background,
@@ -215,7 +222,8 @@ def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serv
                          host=host, port=port, ice_servers=ice_servers, slack=slack,
                          livekit=livekit, agent_name=agent_name, check=check,
                          health_port=health_port, grace_period=grace_period,
-                         allow_hosts=allow_hosts, allow_origins=allow_origins))
+                         allow_hosts=allow_hosts, allow_origins=allow_origins,
+                         sessions=sessions))
 
 
 def run(cfg: RunConfig):
@@ -312,7 +320,8 @@ def _serve_engine(cfg: RunConfig, image_fit: ImageFit, readiness, probes, drain,
         readiness.engine = engine.target.name
         metrics = probes.metrics = Metrics(target_fps=engine.config.model.fps)
         readiness.loading("loading the weights, warm-up and graph capture")
-        worker = open_worker(engine)  # TP engines: rank 0 here, one process per TP rank
+        # TP engines: rank 0 here, one process per TP rank
+        worker = open_worker(engine, cfg.sessions if cfg.serve and not cfg.livekit else 1)
         note = side_networks_note(engine)
         if note:
             click.echo(note, err=True)

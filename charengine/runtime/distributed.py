@@ -44,7 +44,7 @@ from charengine.family import family_of
 from charengine.mapping import Mapping
 from charengine.timing import DeviceSpan
 
-from .engine import Engine
+from .engine import Engine, EngineError
 from .pipeline import Pipeline, StepTimes, Timed
 from .worker import load_rank
 
@@ -522,11 +522,16 @@ class RemotePipeline(Pipeline):
             raise
 
 
-def open_worker(engine: Engine):
+def open_worker(engine: Engine, sessions: int = 1):
     """The worker for an engine's layout: TP-1 in this process, else (or where the target
-    puts its ranks in processes of their own) rank 0 of a group."""
+    puts its ranks in processes of their own) rank 0 of a group. `sessions`: the sessions it
+    serves at once over one copy of the engine (TP-1 in this process only, for now)."""
     if not engine.target.mapping(0).host_process:
         from .worker import Worker
 
-        return Worker(engine)
+        return Worker(engine, sessions=sessions)
+    if sessions != 1:
+        raise EngineError(f"--sessions {sessions}: engine {engine.target.name} runs its ranks "
+                          "in processes of their own, which serve one session at a time; "
+                          "give --sessions 1")
     return DistributedWorker(engine)

@@ -64,7 +64,8 @@ class Readiness:
 
     def ready(self, busy: Callable[[], bool] | None = None,
               healthy: Callable[[], bool] | None = None) -> None:
-        """Ready: `busy()` says whether a session is in progress; `healthy()` (a TP worker's
+        """Ready: `busy()` says whether the worker takes no more sessions (every lane has
+        one: `--sessions N`, one by default); `healthy()` (a TP worker's
         `alive`) whether its rank processes all run, read at every report, so a rank that
         dies turns the worker not-ready before any offer can reach it."""
         if busy is not None:
@@ -87,7 +88,7 @@ class Readiness:
         if phase == "ready" and not self._healthy():
             return "loading", RANKS_DOWN, since
         if phase == "ready" and self._busy():
-            return "busy", "a session is in progress (one session per worker)", since
+            return "busy", "every session this worker serves is in progress", since
         return phase, detail, since
 
     @property

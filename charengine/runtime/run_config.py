@@ -33,8 +33,9 @@ class RunConfig:
     `agent_name`. Both serve probes (/healthz, /readyz, /metrics) on `host`:`health_port`, and
     SIGTERM drains them within `grace_period` seconds; their ports answer to IP addresses,
     localhost and `allow_hosts`, and take state-changing requests from the page's own origin,
-    `allow_origins` or no web page (runtime/access.py). `check` loads the engine, reports its
-    start-up and exits."""
+    `allow_origins` or no web page (runtime/access.py). `sessions`: the live sessions --serve
+    runs at once over one copy of the engine (runtime/lanes.py). `check` loads the engine,
+    reports its start-up and exits."""
 
     engine_dir: Path
     image: Path | None = None
@@ -56,6 +57,7 @@ class RunConfig:
     grace_period: float = GRACE_PERIOD_S
     allow_hosts: tuple[str, ...] = ()
     allow_origins: tuple[str, ...] = ()
+    sessions: int = 1
 
     def __post_init__(self):
         for name in ("ice_servers", "allow_hosts", "allow_origins"):

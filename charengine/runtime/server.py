@@ -72,6 +72,9 @@ ERROR_FLUSH_S = 0.2  # lets an error message leave before the peer closes
 MAX_NAME_CHARS = 80  # an uploaded file's name, as messages quote it
 TOKEN_BYTES = 16  # a session id's randomness (secrets.token_urlsafe: 22 characters)
 MAX_CHANNEL_MESSAGE = 4096  # the longest message the events channel reads
+# what a 503 at capacity tells the client to wait: a session is minutes long, so a freed
+# lane is found by trying again now and then
+FULL_RETRY_AFTER_S = 5
 STATIC = "static"  # the page's files, package data of charengine.runtime
 
 
@@ -165,11 +168,13 @@ def engine_info(worker: Worker, slack: int) -> dict:
 
 @dataclass
 class Served:
-    """The session in progress: its token (the capability /interrupt, /stop and the events
-    channel ask for), its number (what the log names), the session, its peer connection, the
-    page's "events" channel once it has said the token, and the tasks that watch it."""
+    """A session in progress: its token (the capability /interrupt, /stop and the events
+    channel ask for), its number (what the log names), its lane (the worker's place it runs
+    in), the session, its peer connection, the page's "events" channel once it has said the
+    token, and the tasks that watch it."""
     token: str
     number: int
+    lane: int
     session: LiveSession
     pc: RTCPeerConnection
     events: object = None
@@ -207,7 +212,10 @@ class Server:
         self.stats_period_s, self.access, self.peer_silent_s = stats_period_s, access, \
             peer_silent_s
         self.ice = [RTCIceServer(urls=u) for u in ice_servers]
-        self.served: Served | None = None
+        # the worker's lanes (runtime/lanes.py; a TP worker is one), each serving at most
+        # one session: lane -> the session in it
+        self.lanes = getattr(worker, "lanes", None) or [worker]
+        self.live: dict[int, Served] = {}
         self.uploads = UploadGate(MAX_UPLOAD_BYTES)
         self.lock = asyncio.Lock()
         self.sessions = 0
@@ -215,8 +223,18 @@ class Server:
         self.info = engine_info(worker, slack)
 
     @property
-    def session(self) -> LiveSession | None:
-        return self.served.session if self.served is not None else None
+    def capacity(self) -> int:
+        return len(self.lanes)
+
+    @property
+    def full(self) -> bool:
+        return len(self.live) >= self.capacity
+
+    def _active(self, served: Served) -> bool:
+        return self.live.get(served.lane) is served
+
+    def _free_lane(self) -> int | None:
+        return next((i for i in range(self.capacity) if i not in self.live), None)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_UPLOAD_BYTES,
@@ -267,8 +285,10 @@ class Server:
 
     async def status(self, request):
         spec = self.worker.spec
-        return web.json_response({"state": "streaming" if self.session else "ready",
-                                  "session_state": self.session.state if self.session else None,
+        states = [s.session.state for s in self.live.values()]
+        return web.json_response({"state": "streaming" if states else "ready",
+                                  "session_state": states[0] if len(states) == 1 else None,
+                                  "active": len(states), "capacity": self.capacity,
                                   "sessions": self.sessions, "last_error": self.last_error,
                                   "model": spec.name, "family": spec.FAMILY, "fps": spec.fps,
                                   "engine": self.info, "max_upload_bytes": MAX_UPLOAD_BYTES,
@@ -311,9 +331,18 @@ class Server:
         """The answer to an offer that cannot be taken now, before its body is read (an offer
         that arrives while a TP engine's ranks start afresh waits for them: its session
         starts on the fresh group, never on the dead one)."""
-        if self.served is not None:
-            return _error(409, "busy: one session at a time; try again when it ends")
+        if self.full:
+            return self._full()
         return None
+
+    def _full(self) -> web.Response:
+        """503 with Retry-After: every lane has its session (a balancer sends the next
+        offer elsewhere; /readyz reads busy meanwhile)."""
+        response = _error(503, f"full: {self.capacity} session"
+                               f"{'s' if self.capacity > 1 else ''} in progress, this "
+                               "server's capacity; try again in a moment")
+        response.headers["Retry-After"] = str(FULL_RETRY_AFTER_S)
+        return response
 
     async def _offer_body(self, request) -> dict:
         """The offer's JSON, read within the upload gate; its fields' types checked."""
@@ -339,8 +368,9 @@ class Server:
             return refused
         body = await self._offer_body(request)
         async with self.lock:
-            if self.served is not None:  # an offer read beside this one took the slot
-                return _error(409, "busy: one session at a time; try again when it ends")
+            lane = self._free_lane()
+            if lane is None:  # offers read beside this one took the lanes
+                return self._full()
             loop = asyncio.get_running_loop()
             image, speech, notes = await loop.run_in_executor(None, self._read_media, body)
             out = PacedOutput(loop, self.worker.spec.side.sample_rate)
@@ -363,9 +393,9 @@ class Server:
                 raise BadRequest(f"the offer's SDP could not be negotiated ({why}); send the "
                                  "page's own offer") from None
             self.sessions += 1
-            served = Served(secrets.token_urlsafe(TOKEN_BYTES), self.sessions, None, pc)
+            served = Served(secrets.token_urlsafe(TOKEN_BYTES), self.sessions, lane, None, pc)
             served.session = LiveSession(
-                self.worker, out.publish, self.slack, self.metrics,
+                self.lanes[lane], out.publish, self.slack, self.metrics,
                 session_id=str(served.number),
                 on_error=lambda msg: loop.call_soon_threadsafe(
                     lambda: asyncio.ensure_future(self._failed(served, msg))),
@@ -379,15 +409,15 @@ class Server:
 
             @pc.on("connectionstatechange")
             async def on_state():
-                if pc.connectionState in ("failed", "closed") and self.served is served:
-                    await self.close()
+                if pc.connectionState in ("failed", "closed") and self._active(served):
+                    await self.close(served)
 
-            self.served = served
+            self.live[lane] = served
             try:
                 await loop.run_in_executor(None, served.session.start, image,
                                            body.get("prompt") or "")
             except Exception as e:  # noqa: BLE001 - a rank group that could not start
-                self.served = None
+                del self.live[lane]
                 await pc.close()
                 self.last_error = str(e)
                 return _error(503, f"the session could not start: {e}")
@@ -399,7 +429,8 @@ class Server:
             served.tasks += [asyncio.ensure_future(self._connect_watchdog(served)),
                              asyncio.ensure_future(self._peer_watchdog(served)),
                              asyncio.ensure_future(self._push_stats(served))]
-            log.info("session %d started", served.number)
+            log.info("session %d started (lane %d; %d of %d in progress)", served.number, lane,
+                     len(self.live), self.capacity)
             return web.json_response({"sdp": pc.localDescription.sdp,
                                       "type": pc.localDescription.type, "notes": notes,
                                       "session": served.token})
@@ -420,10 +451,10 @@ class Server:
 
     async def _connect_watchdog(self, served: Served) -> None:
         await asyncio.sleep(self.connect_timeout_s)
-        if self.served is served and served.pc.connectionState != "connected":
+        if self._active(served) and served.pc.connectionState != "connected":
             log.warning("session %d: the client did not connect within %g s; session freed",
                         served.number, self.connect_timeout_s)
-            await self.close()
+            await self.close(served)
 
     async def _peer_watchdog(self, served: Served) -> None:
         """A client that vanished (killed, its network gone) sends nothing more, but its
@@ -433,7 +464,7 @@ class Server:
         ended."""
         sender = next((s for s in served.pc.getSenders() if s.kind == "video"), None)
         last, heard = None, None
-        while self.served is served and sender is not None:
+        while self._active(served) and sender is not None:
             await asyncio.sleep(PEER_POLL_S)
             now = time.monotonic()
             if heard is None and served.pc.connectionState == "connected":
@@ -443,32 +474,32 @@ class Server:
             if reports and reports[0] != last:
                 last, heard = reports[0], now
             elif heard is not None and now - heard > self.peer_silent_s \
-                    and self.served is served:
+                    and self._active(served):
                 log.warning("session %d: the client stopped answering (no report for %g s); "
                             "session freed", served.number, self.peer_silent_s)
-                await self.close()
+                await self.close(served)
                 return
 
     async def _push_stats(self, served: Served) -> None:
         """The live numbers to the page, every stats_period_s, while the session lasts."""
-        while self.served is served:
+        while self._active(served):
             self._send(served, {"type": "stats", "state": served.session.state,
                                 **self.metrics.live()})
             await asyncio.sleep(self.stats_period_s)
 
     def _state_changed(self, served: Served, state: str) -> None:
-        if self.served is served:
+        if self._active(served):
             self._send(served, {"type": "state", "state": state})
 
     async def _failed(self, served: Served, message: str) -> None:
         """The session failed on its own (a rank died): tell the page, free the server; the
         next session starts on fresh ranks."""
-        if self.served is not served:
+        if not self._active(served):
             return
         self.last_error = message
         self._send(served, {"type": "error", "message": message})
         await asyncio.sleep(ERROR_FLUSH_S)  # let the message leave before the peer closes
-        await self.close()
+        await self.close(served)
 
     @staticmethod
     def _send(served: Served | None, event: dict) -> None:
@@ -480,8 +511,9 @@ class Server:
                 pass
 
     def send_all(self, event: dict) -> None:
-        """An event to the page of the session in progress (if any)."""
-        self._send(self.served, event)
+        """An event to the page of every session in progress."""
+        for served in list(self.live.values()):
+            self._send(served, event)
 
     async def _microphone(self, track, session: LiveSession):
         rs = av.AudioResampler(format="flt", layout="mono", rate=self.worker.spec.side.sample_rate)
@@ -499,8 +531,11 @@ class Server:
         token = body.get("session") if isinstance(body, dict) else None
         if not isinstance(token, str) or not token:
             raise BadRequest('name the session: {"session": id}, the id /offer returned')
-        served = self.served
-        if served is None or not secrets.compare_digest(token, served.token):
+        # every live token compared, in constant time each: no early answer says how many
+        # sessions there are or which token came close
+        found = [s for s in list(self.live.values()) if secrets.compare_digest(token, s.token)]
+        served = found[0] if found else None
+        if served is None:
             raise NoSuchSession("no such session: it has ended, or it is not yours; press "
                                 "Start to begin a new one")
         return served
@@ -516,11 +551,17 @@ class Server:
         return web.json_response({"fps": fps})
 
     async def close(self, only: Served | None = None):
-        """End the session in progress (`only`: if it is still that one)."""
-        served = self.served
-        if served is None or (only is not None and served is not only):
+        """End session `only` if it is still in progress (None: every session; returns the
+        last one's fps)."""
+        if only is None:
+            fps = None
+            for served in list(self.live.values()):
+                fps = await self.close(served)
+            return fps
+        served = only
+        if not self._active(served):
             return None
-        self.served = None
+        del self.live[served.lane]
         for task in served.tasks:
             if task is not asyncio.current_task():
                 task.cancel()
@@ -541,7 +582,8 @@ async def _serve(server: Server, host: str, port: int, readiness=None, drain=Non
 
     readiness = readiness or Readiness()
     drain = drain or Drain()
-    busy = lambda: server.metrics.sessions_in_progress > 0  # noqa: E731
+    busy = lambda: bool(server.live)  # noqa: E731 - any session in progress (drain waits)
+    full = lambda: server.full  # noqa: E731 - every lane taken (/readyz reads busy)
 
     async def probe(request):
         if request.path == "/healthz":
@@ -589,7 +631,7 @@ async def _serve(server: Server, host: str, port: int, readiness=None, drain=Non
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     print(f"charrun: serving on http://{host}:{port}/", flush=True)
-    readiness.ready(busy, healthy=getattr(server.worker, "alive", None))
+    readiness.ready(full, healthy=getattr(server.worker, "alive", None))
     if drain.begun:  # the signal came while the engine loaded
         readiness.draining(f"stopping ({drain.signame})")
         wake.set()

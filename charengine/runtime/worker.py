@@ -12,6 +12,7 @@ each (`peak_mb_after_*`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from charengine.mapping import Mapping
 from charengine.timing import DeviceSpan
 
 from .engine import Engine, EngineError
+from .lanes import Lane, Turns
 from .pipeline import Pipeline, StepTimes, Timed
 
 
@@ -79,11 +81,13 @@ def load_side(engine: Engine, family, device: torch.device, parts: dict):
 
 class Worker:
     def __init__(self, engine: Engine, rank_slice: int | None = None,
-                 engine_kernels: bool = True):
+                 engine_kernels: bool = True, sessions: int = 1):
         """`rank_slice`: run one TP rank of a TP engine alone on the first device, its
         all-reduce left out (a benchmark of one rank's work; its frames are not the model's).
         `engine_kernels=False` ignores the engine's compiled kernels and compiles every one
-        at start, as a JIT worker does (the start-up benchmark's comparison)."""
+        at start, as a JIT worker does (the start-up benchmark's comparison). `sessions`:
+        the lanes (runtime/lanes.py) this worker serves at once over one copy of the
+        engine, each warmed up at start."""
         t0 = time.perf_counter()
         cfg = self.cfg = engine.config
         self.target = engine.target  # what the page and /status name
@@ -120,16 +124,25 @@ class Worker:
             with timed(parts, "verify_wait_s"):
                 engine.verified()
         # the side networks' own stream on a GPU: decoding and audio encoding overlap the
-        # diffusion where they share its GPU
+        # diffusion where they share its GPU; one session's call on it at a time
         self.side_stream = torch.cuda.Stream(self.decoder_device) \
             if self.decoder_device.type == "cuda" else None
+        self.side_lock = threading.RLock()
+        # the sessions: the first over the loaded session and the side's own decoder, the
+        # others siblings with caches and decoder states of their own; their steps take
+        # turns on the device
+        self.turns = Turns()
+        self.lanes = [Lane(self, 0, self.session, self.side.decoder)] + [
+            Lane(self, i, self.session.sibling(), self.family.session_decoder(self.side))
+            for i in range(1, sessions)]
         t1 = time.perf_counter()
         steps = 0
         # a steady step's processing time (time_processing), measured where the worker warms
         # up; a live session's first deadlines use it
         self.processing_s: float | None = None
         if self.device.type == "cuda":
-            steps = self.family.warm_up(self.session)
+            for lane in self.lanes:
+                steps = self.family.warm_up(lane.session)
             parts["peak_mb_after_dit_warm_up"] = peak_mb(self.device)
             with timed(parts, "time_processing_s"):
                 self.processing_s = self.time_processing()
@@ -144,6 +157,10 @@ class Worker:
         result is complete on return, and a GPU result is the current stream's own copy (the
         side stream's memory may be reused at once). `timed`: the result as Timed, with the
         busy time of fn's work (pipeline.Timed)."""
+        with self.side_lock:
+            return self._on_side_stream(fn, *inputs, after=after, timed=timed)
+
+    def _on_side_stream(self, fn, *inputs, after=None, timed: bool = False):
         if self.side_stream is None:
             span = DeviceSpan(self.decoder_device)
             out = fn(*inputs)
@@ -179,32 +196,20 @@ class Worker:
             self.spec, torch.zeros(self.family.window_samples(self.spec)), 1)
         noise = torch.randn(shapes.noise_shape, generator=g)
 
+        lane = self.lanes[0]
+
         def first_piece(latent):
-            pieces = self.family.decode_pieces(self.side, latent) or (latent,)
-            return self._decode(pieces[0])
+            pieces = lane.pieces(latent) or (latent,)
+            return lane.decode(pieces[0])
 
         self.side.decoder.reset()
         first_piece(torch.randn(shapes.latent, generator=g))  # a session's first decodes more
         t0 = time.perf_counter()
-        feats = self._encode_window(window, 1)
+        feats = lane.encode_window(window, 1)
         first_piece(self.session.step(noise.to(self.device), feats.to(self.device)))
         took = time.perf_counter() - t0
         self.side.decoder.reset()
         return took
-
-    def _encode_window(self, window: torch.Tensor, i: int, timed: bool = False):
-        """Step i's audio features from its encoder window, on the side stream (`timed`: as
-        Timed, with the encoder's busy time)."""
-        return self.on_side_stream(lambda x: self.family.encode_audio(
-            self.side, self.spec, x.to(self.decoder_device), i), window, timed=timed)
-
-    def _decode(self, latent: torch.Tensor, after=None, timed: bool = False):
-        """The decoder's frames of `latent` on the host, decoded on the side stream after
-        the event `after` (on_side_stream; `timed`: as Timed, with the decoder's busy
-        time)."""
-        return self.on_side_stream(
-            lambda x: self.side.decoder(x.to(self.decoder_device)).cpu(), latent, after=after,
-            timed=timed)
 
     @property
     def compiles(self) -> int:
@@ -217,58 +222,14 @@ class Worker:
             self.kernels.close()
             self.kernels = None
 
-    @torch.inference_mode()
     def start(self, image: torch.Tensor, prompt: str) -> None:
-        """New session: encode the reference image and prompt into the global slots."""
-        ref = self.side.image_encoder(image.to(self.decoder_device))
-        text = self.side.text_encoder(prompt)
-        self.session.start(ref.to(self.device), text.to(self.device))
-        self.side.decoder.reset()
+        """New session on the first lane (what a worker of one session runs)."""
+        self.lanes[0].start(image, prompt)
 
     def pipeline(self, encode_audio, seed: int = 0) -> Pipeline:
-        """The three-stage pipeline over this worker's session, with rank 0's audio encoding
-        given by `encode_audio(i)`."""
-        # Noise from a seeded CPU generator, as every TP rank makes it: a seed gives the same
-        # noise on any device and layout (CUDA generators' streams differ from the CPU's).
-        g = torch.Generator().manual_seed(seed)
-        shape = self.family.step_shapes(self.spec).noise_shape
-
-        def diffuse(i, feats):
-            noise = torch.randn(shape, generator=g).to(self.device)
-            span = DeviceSpan(self.device)
-            latent = self.session.step(noise, feats.to(self.device))
-            # the step's busy time; the decoder waits for its end (span.done): this step
-            # only, not the next one's work
-            return Timed(latent, span.end())
-
-        # a decoder that streams latent by latent (LiveTalk's) gives a live session each
-        # latent's frames as they are decoded, and a render the frames of those same calls
-        # together (its memory is one piece's, and warm-up runs the pieces' shapes alone);
-        # another decodes each step whole
-        latent_shape = self.family.step_shapes(self.spec).latent
-        streams = self.family.decode_pieces(
-            self.side, torch.empty(latent_shape, device="meta")) is not None
-
-        def decode_pieces(item: Timed):
-            for part in self.family.decode_pieces(self.side, item.value):
-                yield self._decode(part, after=item.span.done, timed=True)
-
-        def decode(item: Timed):
-            if streams:
-                pieces = list(decode_pieces(item))
-                return Timed(torch.cat([p.value for p in pieces]),
-                             sum(p.span.seconds(wait=True) for p in pieces))
-            return self._decode(item.value, after=item.span.done, timed=True)
-
-        return Pipeline(encode_audio, diffuse, decode,
-                        decode_pieces=decode_pieces if streams else None)
+        """The first lane's pipeline (Lane.pipeline)."""
+        return self.lanes[0].pipeline(encode_audio, seed)
 
     def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
-        """Generate `steps` latents for `speech` (16 kHz mono) and hand each step's frames to
-        `sink(i, frames)`."""
-        def encode_audio(i):
-            # the window cut on the host: no wait
-            return self._encode_window(self.family.audio_window(self.spec, speech, i), i,
-                                       timed=True)
-
-        return self.pipeline(encode_audio, seed).run(steps, sink)
+        """The first lane's render of `speech` (Lane.run)."""
+        return self.lanes[0].run(speech, steps, sink, seed)

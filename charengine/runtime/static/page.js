@@ -17,8 +17,8 @@ const STATE_TEXT = {
   loading: ["Loading", "Reading which engine is loaded…"],
   ready: ["Ready", "Choose a face image and speech (a file or the microphone), then press " +
                    "Start."],
-  busy: ["Busy", "Another page is streaming the character: wait for it to end (or press Stop " +
-                 "there), then press Start."],
+  busy: ["Busy", "Every session this server runs is in progress: wait for one to end, " +
+                 "then press Start."],
   connecting: ["Connecting", "Starting a session: sending the image and speech, waiting for " +
                              "the first frames…"],
   starting: ["Connecting", "The session is starting: the first frames are on their way…"],
@@ -35,8 +35,6 @@ const STATE_TEXT = {
 const WHAT_TO_DO = {
   start: {
     400: "Check the image and speech you chose, then press Start again.",
-    409: "Another page is using the character: wait for its session to end (or press Stop " +
-         "there), then press Start.",
     413: "Choose smaller files, then press Start again.",
     500: "The server failed: charrun's log has the cause. Press Start to try again.",
     503: "Wait a moment, then press Start again.",
@@ -176,7 +174,7 @@ async function loadStatus() {
   drawChart([], e.budget_s);
   drawThumb();
   if (!page.active && ["loading", "ready", "busy"].includes(page.state)) {
-    setState(s.state === "streaming" ? "busy" : "ready");
+    setState(s.active >= s.capacity ? "busy" : "ready");
   }
   updateButtons();
 }

@@ -1,0 +1,157 @@
+"""Many sessions in one worker: each a `Lane` (its own DiT session over the worker's one
+model, its own decoder state, its own pipeline), the GPU shared between them by `Turns`.
+
+A lane is what a LiveSession or a render drives: it has the worker's interface for one
+session (`start`, `pipeline`, `run`, the spec and family, the side networks' stream). The
+weights, tables, kernels and side networks are the worker's, once; what a session changes
+(its caches, step count, graphs, decoder state, noise) is the lane's, so nothing one session
+does reaches another.
+
+`Turns` gives the steps of all lanes to the device one at a time, the earliest deadline
+first: a lane asks for its turn with the step's deadline and runs its step (on a GPU: queues
+its graph's replay) when no step with an earlier deadline waits. A step that names no
+deadline is due when it asks (so equal budgets make it first come, first served)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+
+from charengine.timing import DeviceSpan
+
+from .pipeline import Pipeline, StepTimes, Timed
+
+
+class Turns:
+    """One step at a time across a worker's lanes, earliest deadline first."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._waiting: list[tuple[float, int]] = []  # (deadline, arrival) heap
+        self._arrivals = itertools.count()
+        self._busy = False
+        self.taken = 0  # steps run so far (all lanes)
+
+    @property
+    def waiting(self) -> int:
+        """Steps waiting for their turn."""
+        with self._cond:
+            return len(self._waiting)
+
+    @contextmanager
+    def turn(self, deadline: float | None = None):
+        """Hold the device for one step: waits while another step runs or one with an
+        earlier deadline (time.monotonic() seconds; None: now) waits."""
+        mine = (time.monotonic() if deadline is None else deadline, next(self._arrivals))
+        with self._cond:
+            heapq.heappush(self._waiting, mine)
+            while self._busy or self._waiting[0] != mine:
+                self._cond.wait()
+            heapq.heappop(self._waiting)
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self.taken += 1
+                self._cond.notify_all()
+
+
+class Lane:
+    """One session's place in a worker: `session` (the family's Session over the worker's
+    model) and `decoder` (its decoder state over the side networks' weights)."""
+
+    def __init__(self, worker, index: int, session, decoder):
+        self.worker, self.index, self.session, self.decoder = worker, index, session, decoder
+        self.spec, self.family, self.cfg = worker.spec, worker.family, worker.cfg
+        self.target, self.side = worker.target, worker.side
+        self.device, self.decoder_device = worker.device, worker.decoder_device
+
+    @property
+    def processing_s(self) -> float | None:
+        return self.worker.processing_s
+
+    def on_side_stream(self, fn, *inputs, after=None, timed: bool = False):
+        return self.worker.on_side_stream(fn, *inputs, after=after, timed=timed)
+
+    def encode_window(self, window: torch.Tensor, i: int, timed: bool = False):
+        """Step i's audio features from its encoder window, on the side stream (`timed`: as
+        Timed, with the encoder's busy time)."""
+        return self.on_side_stream(lambda x: self.family.encode_audio(
+            self.side, self.spec, x.to(self.decoder_device), i), window, timed=timed)
+
+    def decode(self, latent: torch.Tensor, after=None, timed: bool = False):
+        """This session's decoder's frames of `latent` on the host, decoded on the side
+        stream after the event `after` (`timed`: as Timed, with the decoder's busy time)."""
+        return self.on_side_stream(
+            lambda x: self.decoder(x.to(self.decoder_device)).cpu(), latent, after=after,
+            timed=timed)
+
+    def pieces(self, latent: torch.Tensor):
+        """The step's latent as this session's decoder calls (None: decoded whole)."""
+        return self.family.decode_pieces(self.side, latent, self.decoder)
+
+    @torch.inference_mode()
+    def start(self, image: torch.Tensor, prompt: str) -> None:
+        """New session: encode the reference image and prompt into this lane's caches."""
+        with self.worker.side_lock:
+            ref = self.side.image_encoder(image.to(self.decoder_device))
+            text = self.side.text_encoder(prompt)
+        with self.worker.turns.turn():
+            self.session.start(ref.to(self.device), text.to(self.device))
+        self.decoder.reset()
+
+    def pipeline(self, encode_audio, seed: int = 0) -> Pipeline:
+        """The three-stage pipeline over this lane's session, with rank 0's audio encoding
+        given by `encode_audio(i)`; its steps take their turns on the device."""
+        # Noise from a seeded CPU generator, as every TP rank makes it: a seed gives the same
+        # noise on any device and layout (CUDA generators' streams differ from the CPU's).
+        g = torch.Generator().manual_seed(seed)
+        shape = self.family.step_shapes(self.spec).noise_shape
+
+        def diffuse(i, feats):
+            noise = torch.randn(shape, generator=g).to(self.device)
+            feats = feats.to(self.device)
+            with self.worker.turns.turn():
+                span = DeviceSpan(self.device)
+                latent = self.session.step(noise, feats)
+                # the step's busy time; the decoder waits for its end (span.done): this step
+                # only, not the next one's work
+                return Timed(latent, span.end())
+
+        # a decoder that streams latent by latent (LiveTalk's) gives a live session each
+        # latent's frames as they are decoded, and a render the frames of those same calls
+        # together (its memory is one piece's, and warm-up runs the pieces' shapes alone);
+        # another decodes each step whole
+        latent_shape = self.family.step_shapes(self.spec).latent
+        streams = self.pieces(torch.empty(latent_shape, device="meta")) is not None
+
+        def decode_pieces(item: Timed):
+            for part in self.pieces(item.value):
+                yield self.decode(part, after=item.span.done, timed=True)
+
+        def decode(item: Timed):
+            if streams:
+                pieces = list(decode_pieces(item))
+                return Timed(torch.cat([p.value for p in pieces]),
+                             sum(p.span.seconds(wait=True) for p in pieces))
+            return self.decode(item.value, after=item.span.done, timed=True)
+
+        return Pipeline(encode_audio, diffuse, decode,
+                        decode_pieces=decode_pieces if streams else None)
+
+    def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
+        """Generate `steps` latents for `speech` (16 kHz mono) and hand each step's frames to
+        `sink(i, frames)`."""
+        def encode_audio(i):
+            # the window cut on the host: no wait
+            return self.encode_window(self.family.audio_window(self.spec, speech, i), i,
+                                      timed=True)
+
+        return self.pipeline(encode_audio, seed).run(steps, sink)

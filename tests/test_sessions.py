@@ -1,0 +1,136 @@
+"""charrun --serve --sessions N with real WebRTC peers (aiortc) in a network namespace of the
+test's own, on the tiny engine: three sessions stream at once from one process and one copy
+of the engine; the fourth offer is answered 503 with Retry-After and /readyz reads busy; a
+session's id acts on that session only; stopping one leaves the others streaming and frees
+its place."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from engines import build_target
+from netns import can_netns, namespace
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+CHARRUN = [sys.executable, "-m", "charengine.runtime.cli"]
+PAGE, PROBES = "http://127.0.0.1:8080", "http://127.0.0.1:8081"
+
+# an HTTP request from inside the namespace: prints [status, headers, body]
+REQUEST = """
+import json, sys, urllib.error, urllib.request
+url, body = sys.argv[1], sys.argv[2]
+req = urllib.request.Request(url, data=body.encode() if body else None,
+                             headers={"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=30) as r:
+        out = [r.status, dict(r.headers), json.loads(r.read())]
+except urllib.error.HTTPError as e:
+    out = [e.code, dict(e.headers), json.loads(e.read())]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def netns():
+    if not can_netns():
+        pytest.skip("needs root and iproute2 (network namespaces) for WebRTC peers")
+    with namespace("charss", "10.233.4") as name:
+        yield ["ip", "netns", "exec", name]
+
+
+def request(netns, url: str, body: dict | None = None):
+    r = subprocess.run([*netns, sys.executable, "-c", REQUEST, url,
+                        json.dumps(body) if body is not None else ""],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+class Client:
+    """tests/webrtc_client.py in the namespace, its lines collected as they come."""
+
+    def __init__(self, netns, image: Path, seconds: float):
+        self.p = subprocess.Popen(
+            [*netns, sys.executable, str(ROOT / "tests/webrtc_client.py"), "--url",
+             PAGE + "/", "--image", str(image), "--seconds", str(seconds), "--report", "0.5"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.said: list[dict] = []
+        threading.Thread(target=lambda: self.said.extend(
+            json.loads(ln) for ln in iter(self.p.stdout.readline, "")), daemon=True).start()
+
+    def first(self, kind: str):
+        return next((s for s in self.said if s["kind"] == kind), None)
+
+    def frames(self) -> int:
+        counts = [s["frames"] for s in self.said if "frames" in s]
+        return max(counts, default=0)
+
+
+def wait(pred, most_s: float) -> bool:
+    end = time.monotonic() + most_s
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tmp_path):
+    engine = build_target(tmp_path)
+    images = []
+    for i, color in enumerate(((200, 40, 40), (40, 200, 40), (40, 40, 200))):
+        images.append(tmp_path / f"face{i}.png")
+        Image.new("RGB", (64, 64), color).save(images[-1])
+    server = subprocess.Popen([*netns, *CHARRUN, "--engine", str(engine), "--serve", "--port",
+                               "8080", "--health-port", "8081", "--sessions", "3"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(server.stdout.readline, "")),
+                     daemon=True).start()
+    clients = []
+    try:
+        assert wait(lambda: any("serving on" in ln for ln in lines), 120), "".join(lines)
+        status, _, ready = request(netns, PROBES + "/readyz")
+        assert status == 200 and ready["state"] == "ready", ready
+        clients = [Client(netns, image, 90) for image in images]
+        assert wait(lambda: all(c.first("streaming") for c in clients), 120), \
+            ([c.said for c in clients], "".join(lines))
+        status, _, body = request(netns, PAGE + "/status")
+        assert (body["active"], body["capacity"]) == (3, 3), body
+        # the fourth: refused before its body is read, told when to come back
+        status, headers, body = request(netns, PAGE + "/offer", {"sdp": "v=0", "type": "offer"})
+        assert status == 503 and "full: 3 sessions" in body["error"], body
+        assert int(headers["Retry-After"]) > 0
+        status, _, ready = request(netns, PROBES + "/readyz")
+        assert status == 503 and ready["state"] == "busy", ready
+        # one session's id stops that session only
+        ids = [c.first("answered")["session"] for c in clients]
+        assert len(set(ids)) == 3
+        status, _, body = request(netns, PAGE + "/stop", {"session": ids[0][::-1]})
+        assert status == 404, body
+        before = [c.frames() for c in clients]
+        status, _, body = request(netns, PAGE + "/stop", {"session": ids[0]})
+        assert status == 200, body
+        assert wait(lambda: clients[0].first("connection") and any(
+            s["kind"] == "connection" and s["state"] == "closed" for s in clients[0].said), 30)
+        assert wait(lambda: all(c.frames() >= b + 48 for c, b in zip(clients[1:], before[1:])),
+                    60), [c.frames() for c in clients]
+        status, _, body = request(netns, PAGE + "/status")
+        assert (body["active"], body["capacity"]) == (2, 3), body
+        status, _, ready = request(netns, PROBES + "/readyz")
+        assert status == 200 and ready["state"] == "ready", ready
+        status, _, body = request(netns, PAGE + "/interrupt", {"session": ids[0]})
+        assert status == 404, body  # an ended session's id acts on nothing
+    finally:
+        for c in clients:
+            c.p.kill()
+        server.terminate()
+        server.wait(30)
+    assert "Traceback" not in "".join(lines), "".join(lines)
