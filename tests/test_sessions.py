@@ -28,11 +28,16 @@ import json, sys, urllib.error, urllib.request
 url, body = sys.argv[1], sys.argv[2]
 req = urllib.request.Request(url, data=body.encode() if body else None,
                              headers={"Content-Type": "application/json"})
+def body(raw):
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode()
 try:
     with urllib.request.urlopen(req, timeout=30) as r:
-        out = [r.status, dict(r.headers), json.loads(r.read())]
+        out = [r.status, dict(r.headers), body(r.read())]
 except urllib.error.HTTPError as e:
-    out = [e.code, dict(e.headers), json.loads(e.read())]
+    out = [e.code, dict(e.headers), body(e.read())]
 print(json.dumps(out))
 """
 
@@ -110,6 +115,14 @@ def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tm
         assert int(headers["Retry-After"]) > 0
         status, _, ready = request(netns, PROBES + "/readyz")
         assert status == 503 and ready["state"] == "busy", ready
+        # each session's own figures, labelled with its number, beside the worker's load
+        _, _, text = request(netns, PROBES + "/metrics")
+        lines = text.splitlines()
+        assert "charengine_sessions_active 3.0" in lines and \
+            "charengine_sessions_capacity 3.0" in lines, text
+        played = [ln for ln in lines if ln.startswith("charengine_session_playback_fps{")]
+        assert sorted(ln.split('"')[1] for ln in played) == ["1", "2", "3"], text
+        assert all(float(ln.split()[-1]) > 0 for ln in played), played
         # one session's id stops that session only
         ids = [c.first("answered")["session"] for c in clients]
         assert len(set(ids)) == 3

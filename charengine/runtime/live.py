@@ -277,8 +277,8 @@ class LiveSession:
     # ---- control (any thread) ---------------------------------------------------------
     def start(self, image: torch.Tensor, prompt: str = "") -> None:
         self.worker.start(image, prompt)
-        if self.metrics:
-            self.metrics.session_started()
+        if self.metrics:  # this session's own, fed into the worker's
+            self.metrics = self.metrics.session(self.session_id)
         self.pipeline = self.worker.pipeline(self._encode_audio, seed=self.seed)
         if self.just_in_time or self.stream_decode:
             self.pipeline.live(self._await_speech if self.just_in_time else None,

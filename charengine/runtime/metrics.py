@@ -107,6 +107,35 @@ class LiveCollector:
                 if q != "last" and v is not None:
                     g.add_metric([q], v)
             yield g
+        yield from self.per_session()
+
+    def per_session(self):
+        """Each session in progress, labelled with its id: its playback fps, stalls (steps
+        that missed their slot) and the time they held playback, step time and speech
+        latency."""
+        with self.metrics.lock:
+            sessions = list(self.metrics.active.values())
+        lives = [(s.session_id, s.live()) for s in sessions]
+        for name, key, doc in (
+                ("playback_fps", "playback_fps", "A session's frames played per second, last 5 s"),
+                ("stalls", "stalls", "A session's stalls so far (steps late for their slot)"),
+                ("stall_seconds", "stall_s", "Time a session's playback was held by stalls")):
+            g = GaugeMetricFamily(f"charengine_session_{name}", doc, labels=["session"])
+            for sid, live in lives:
+                if live[key] is not None:
+                    g.add_metric([sid], live[key])
+            yield g
+        for name, key, doc in (
+                ("step_seconds", "step_s", "A session's diffusion time per step, last minute"),
+                ("speech_latency_seconds", "latency_s", "A session's speech to the frame that "
+                 "plays it, last minute")):
+            g = GaugeMetricFamily(f"charengine_session_{name}", doc,
+                                  labels=["session", "quantile"])
+            for sid, live in lives:
+                for q, v in live[key].items():
+                    if q != "last" and v is not None:
+                        g.add_metric([sid, q], v)
+            yield g
 
 
 class Metrics:
@@ -146,7 +175,90 @@ class Metrics:
         self.below = Counter("charengine_sessions_below_target", "Sessions whose steady part "
                              f"(from {STEADY_AFTER_S:g} s after their first frame) played below "
                              f"{BELOW_TARGET_FRACTION:.0%} of the engine's fps", registry=r)
+        self.active_gauge = Gauge("charengine_sessions_active", "Sessions in progress",
+                                  registry=r)
+        self.capacity_gauge = Gauge("charengine_sessions_capacity", "Sessions this worker "
+                                    "serves at once (--sessions)", registry=r)
+        self.capacity_gauge.set(1)
         r.register(LiveCollector(self))
+        self.window_s = window_s
+        self.lock = threading.Lock()
+        self.active: dict[str, SessionMetrics] = {}
+        # the session the unlabelled live series and the one-session calls below describe:
+        # the last started
+        self.current = SessionMetrics(self, "", window_s)
+
+    def session(self, session_id: str = "") -> SessionMetrics:
+        """A session starts: its own metrics, which it reports to."""
+        child = SessionMetrics(self, session_id, self.window_s)
+        self.started.inc()
+        with self.lock:
+            self.active[session_id] = child
+            self.current = child
+            self.active_gauge.set(len(self.active))
+        return child
+
+    def ended(self, child: SessionMetrics) -> None:
+        with self.lock:
+            if self.active.get(child.session_id) is child:
+                del self.active[child.session_id]
+            self.active_gauge.set(len(self.active))
+
+    def set_capacity(self, n: int) -> None:
+        self.capacity_gauge.set(n)
+
+    # ---- one session's calls, for a worker of one session (the last started) -----------
+    def session_started(self) -> None:
+        self.session("")
+
+    def step_done(self, seconds: float, frames: int) -> None:
+        self.current.step_done(seconds, frames)
+
+    def frame(self, t: float, slot: float) -> None:
+        self.current.frame(t, slot)
+
+    def stall(self, seconds: float) -> None:
+        self.current.stall(seconds)
+
+    def speech_latency(self, seconds: float) -> None:
+        self.current.speech_latency(seconds)
+
+    def queued(self, steps: int, frames: int) -> None:
+        self.current.queued(steps, frames)
+
+    def session_finished(self, session_id: str = "") -> float | None:
+        return self.current.session_finished(session_id)
+
+    def live(self) -> dict:
+        return self.current.live()
+
+
+    @property
+    def sessions_in_progress(self) -> int:
+        """Sessions started and not yet finished (what /readyz calls busy)."""
+        started = self.registry.get_sample_value("charengine_sessions_started_total") or 0.0
+        finished = self.registry.get_sample_value("charengine_sessions_finished_total") or 0.0
+        return int(started - finished)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class SessionMetrics:
+    """One session's observations: its windows and counts (the live numbers its page is
+    pushed, its fps and below-target judgement), feeding the worker's Prometheus series (the
+    aggregate ones, and its own, labelled with its id, while it lasts)."""
+
+    def __init__(self, parent: Metrics, session_id: str, window_s: float):
+        self.parent, self.session_id = parent, session_id
+        self.target_fps, self.interval_s = parent.target_fps, parent.interval_s
+        self.below_fps, self.clock = parent.below_fps, parent.clock
+        self.playback_window_s = parent.playback_window_s
+        self.fps, self.drift, self.step = parent.fps, parent.drift, parent.step
+        self.latency, self.stalls, self.stall_seconds = parent.latency, parent.stalls, \
+            parent.stall_seconds
+        self.queued_steps, self.queued_frames = parent.queued_steps, parent.queued_frames
+        self.finished, self.below = parent.finished, parent.below
         self.steps = Window(window_s)  # (end time, diffusion seconds, frames)
         self.frames = Window(window_s)  # (time, drift, 1)
         self.latencies = Window(window_s)  # (time, latency seconds, 1)
@@ -175,10 +287,6 @@ class Metrics:
         self.queued_frames.set(0)
 
     # ---- what a session reports --------------------------------------------------------
-    def session_started(self) -> None:
-        self.started.inc()
-        self._reset()
-
     def step_done(self, seconds: float, frames: int) -> None:
         """A step's diffusion took `seconds` and made `frames` frames."""
         self.step.observe(seconds)
@@ -233,6 +341,7 @@ class Metrics:
         that part lasted under STEADY_MIN_S. Below BELOW_TARGET_FRACTION of the engine's fps,
         the session counts as below target and the log says so."""
         self.finished.inc()
+        self.parent.ended(self)
         with self.lock:
             start, frames, last = self._steady_start, self._steady_frames, self._last_t
         if start is None or last - start < STEADY_MIN_S:
@@ -280,12 +389,3 @@ class Metrics:
             "queued_frames": self._queued[1],
         }
 
-    @property
-    def sessions_in_progress(self) -> int:
-        """Sessions started and not yet finished (what /readyz calls busy)."""
-        started = self.registry.get_sample_value("charengine_sessions_started_total") or 0.0
-        finished = self.registry.get_sample_value("charengine_sessions_finished_total") or 0.0
-        return int(started - finished)
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)

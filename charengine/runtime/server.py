@@ -221,6 +221,7 @@ class Server:
         self.sessions = 0
         self.last_error: str | None = None
         self.info = engine_info(worker, slack)
+        metrics.set_capacity(self.capacity)
 
     @property
     def capacity(self) -> int:
@@ -484,7 +485,7 @@ class Server:
         """The live numbers to the page, every stats_period_s, while the session lasts."""
         while self._active(served):
             self._send(served, {"type": "stats", "state": served.session.state,
-                                **self.metrics.live()})
+                                **served.session.metrics.live()})
             await asyncio.sleep(self.stats_period_s)
 
     def _state_changed(self, served: Served, state: str) -> None:
