@@ -35,7 +35,7 @@ def render(lane, image, speech, steps: int, seed: int) -> list[torch.Tensor]:
 
 def test_three_lanes_render_at_once_as_each_renders_alone(engine_dir):
     engine = Engine.load(engine_dir)
-    worker = Worker(engine, sessions=3)
+    worker = Worker(engine, sessions=3, over_capacity=True)
     spec, steps = worker.spec, 5
     assert len(worker.lanes) == 3
     assert all(lane.session.model is worker.session.model for lane in worker.lanes)
@@ -83,3 +83,23 @@ def test_turns_go_to_the_earliest_deadline_waiting():
     for t in [first, *late]:
         t.join(5)
     assert order == ["a", "b", "c"] and turns.taken == 4
+
+
+def test_more_sessions_than_the_machine_holds_are_refused_in_one_line_and_auto_takes_them(
+        engine_dir):
+    import re
+    import subprocess
+    import sys
+
+    charrun = [sys.executable, "-m", "charengine.runtime.cli", "--engine", str(engine_dir),
+               "--check"]
+    r = subprocess.run([*charrun, "--sessions", "64"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert re.search(r"--sessions 64: this machine holds \d+ real-time sessions? of .*; give "
+                     r"--sessions \d+ or fewer, or --sessions auto", r.stderr), r.stderr
+    r = subprocess.run([*charrun, "--sessions", "auto"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    found = re.search(r"sessions: (\d+); this machine holds (\d+) real-time", r.stdout)
+    assert found and int(found[1]) == max(1, int(found[2])), r.stdout

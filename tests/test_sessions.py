@@ -94,7 +94,8 @@ def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tm
         images.append(tmp_path / f"face{i}.png")
         Image.new("RGB", (64, 64), color).save(images[-1])
     server = subprocess.Popen([*netns, *CHARRUN, "--engine", str(engine), "--serve", "--port",
-                               "8080", "--health-port", "8081", "--sessions", "3"],
+                               "8080", "--health-port", "8081", "--sessions", "3",
+                               "--over-capacity"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(server.stdout.readline, "")),

@@ -25,7 +25,7 @@ from .formats import (DEFAULT_BACKGROUND, FIT_POLICIES, MAX_IMAGE_PIXELS, VIDEO_
 from .lifecycle import GRACE_PERIOD_S, STOP_SIGNALS
 from .prefetch import readahead_in_background
 from .probes import HEALTH_PORT
-from .run_config import RunConfig, livekit_setup_error
+from .run_config import AUTO, RunConfig, livekit_setup_error
 
 if TYPE_CHECKING:  # torch is imported when an engine is loaded, after the probes answer
     from .engine import Engine
@@ -33,6 +33,23 @@ if TYPE_CHECKING:  # torch is imported when an engine is loaded, after the probe
 
 MAX_SEED = 2**63 - 1  # the largest seed torch.Generator takes
 MAX_SESSIONS = 64  # a bound on --sessions: each holds its own caches on the device
+
+
+class SessionsParam(click.ParamType):
+    """--sessions: a count from 1 to MAX_SESSIONS, or AUTO."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value == AUTO or isinstance(value, int):
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a count of sessions or {AUTO!r}", param, ctx)
+        if not 1 <= n <= MAX_SESSIONS:
+            self.fail(f"{n} is not between 1 and {MAX_SESSIONS}", param, ctx)
+        return n
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -74,7 +91,7 @@ def ready_check(cfg: RunConfig) -> None:
         t1 = time.perf_counter()
         from .distributed import open_worker
 
-        worker = open_worker(engine)
+        worker = open_worker(engine, cfg.sessions, cfg.over_capacity)
     except (EngineError, RankFailure) as e:
         raise click.ClickException(str(e)) from None
     total = time.perf_counter() - t0
@@ -89,6 +106,9 @@ def ready_check(cfg: RunConfig) -> None:
                      f"{startup['warm_up_s']:.2f} s")
     click.echo(f"ready in {total:.2f} s ({', '.join(parts)}); {compiles} kernels compiled "
                "at start")
+    capacity = getattr(worker, "capacity", None)
+    if capacity is not None:  # --check --sessions N or auto: what the machine holds
+        click.echo(f"sessions: {len(worker.lanes)}; {capacity.describe()}")
 
 
 class Stop:
@@ -202,19 +222,23 @@ def side_networks_note(engine: Engine) -> str | None:
 @click.option("--allow-origin", "allow_origins", multiple=True,
               help="With --serve: an origin (https://chars.example.com) whose pages may start "
                    "and control sessions besides the page's own, e.g. your own front end.")
-@click.option("--sessions", type=click.IntRange(min=1, max=MAX_SESSIONS), default=1,
-              show_default=True,
+@click.option("--sessions", type=SessionsParam(), default="1", show_default=True,
               help="With --serve: live sessions served at once over one copy of the engine "
                    "(each with its own caches, decoder state, speech and pacing; their steps "
-                   "take turns on the device, earliest deadline first). An offer past them "
-                   "gets 503 with Retry-After, and /readyz reads busy.")
+                   "take turns on the device, earliest deadline first). More than one is "
+                   "checked at start against what this machine holds in real time (a number "
+                   "it cannot hold is refused); 'auto' takes that number. An offer past "
+                   "them gets 503 with Retry-After, and /readyz reads busy.")
+@click.option("--over-capacity", is_flag=True,
+              help="With --sessions: serve that many even where this machine holds fewer in "
+                   "real time (they play below real time while all are busy).")
 @click.option("--check", is_flag=True,
               help="Load the engine and get ready (kernels loaded, warm-up, step graphs "
                    "captured), report what it took and how many kernels had to be compiled, "
                    "and exit.")
 def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serve, host, port,
          ice_servers, slack, livekit, agent_name, health_port, grace_period, allow_hosts,
-         allow_origins, sessions, check):
+         allow_origins, sessions, over_capacity, check):
     """Render a talking character (the image animated to the speech, H.264 + AAC MP4), or
     with --serve stream one over WebRTC to a local page."""
     return run(RunConfig(engine_dir, image=image, fit=fit, background=background,
@@ -223,7 +247,7 @@ def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serv
                          livekit=livekit, agent_name=agent_name, check=check,
                          health_port=health_port, grace_period=grace_period,
                          allow_hosts=allow_hosts, allow_origins=allow_origins,
-                         sessions=sessions))
+                         sessions=sessions, over_capacity=over_capacity))
 
 
 def run(cfg: RunConfig):
@@ -277,6 +301,9 @@ def serve_live(cfg: RunConfig, image_fit: ImageFit, access: Access):
     from .lifecycle import Drain, signals_held
     from .probes import ProbeError, ProbeServer, Readiness
 
+    if cfg.livekit and cfg.sessions != 1:
+        raise click.UsageError("--sessions is --serve's: a --livekit worker serves one session "
+                               "(LiveKit's dispatch spreads sessions over workers)")
     if cfg.livekit:
         if importlib.util.find_spec("livekit") is None \
                 or importlib.util.find_spec("livekit.agents") is None:
@@ -321,7 +348,7 @@ def _serve_engine(cfg: RunConfig, image_fit: ImageFit, readiness, probes, drain,
         metrics = probes.metrics = Metrics(target_fps=engine.config.model.fps)
         readiness.loading("loading the weights, warm-up and graph capture")
         # TP engines: rank 0 here, one process per TP rank
-        worker = open_worker(engine, cfg.sessions if cfg.serve and not cfg.livekit else 1)
+        worker = open_worker(engine, cfg.sessions, cfg.over_capacity)
         note = side_networks_note(engine)
         if note:
             click.echo(note, err=True)

@@ -522,14 +522,14 @@ class RemotePipeline(Pipeline):
             raise
 
 
-def open_worker(engine: Engine, sessions: int = 1):
+def open_worker(engine: Engine, sessions: int | str = 1, over_capacity: bool = False):
     """The worker for an engine's layout: TP-1 in this process, else (or where the target
     puts its ranks in processes of their own) rank 0 of a group. `sessions`: the sessions it
     serves at once over one copy of the engine (TP-1 in this process only, for now)."""
     if not engine.target.mapping(0).host_process:
         from .worker import Worker
 
-        return Worker(engine, sessions=sessions)
+        return Worker(engine, sessions=sessions, over_capacity=over_capacity)
     if sessions != 1:
         raise EngineError(f"--sessions {sessions}: engine {engine.target.name} runs its ranks "
                           "in processes of their own, which serve one session at a time; "

@@ -19,12 +19,55 @@ import itertools
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from charengine.timing import DeviceSpan
 
 from .pipeline import Pipeline, StepTimes, Timed
+
+CAPACITY_STEPS = 5  # steady steps timed to measure a worker's capacity
+# the share of a step's budget the sessions' device time may fill: the rest absorbs a
+# session's first steps, its resets and the jitter of the host
+REALTIME_MARGIN = 0.2
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What one steady step of one session costs each device (busy seconds: the diffusion
+    on the DiT's, the audio encode and the decode on the decoder's), the step's real-time
+    budget, whether the two devices are one, and so how many sessions fit in the budget less
+    REALTIME_MARGIN."""
+
+    diffusion_s: float
+    side_s: float
+    budget_s: float
+    shared_device: bool
+    target: str
+
+    @property
+    def per_step_s(self) -> float:
+        """The busiest device's time a step: both parts where they share it."""
+        if self.shared_device:
+            return self.diffusion_s + self.side_s
+        return max(self.diffusion_s, self.side_s)
+
+    @property
+    def sessions(self) -> int:
+        return int(self.budget_s * (1 - REALTIME_MARGIN) // self.per_step_s)
+
+    def describe(self) -> str:
+        return (f"this machine holds {self.sessions} real-time session"
+                f"{'' if self.sessions == 1 else 's'} of {self.target} (a step's busiest "
+                f"device time {self.per_step_s * 1e3:.1f} ms of its "
+                f"{self.budget_s * 1e3:.1f} ms, {REALTIME_MARGIN:.0%} kept free)")
+
+    def to_dict(self) -> dict:
+        return {"diffusion_s": self.diffusion_s, "side_s": self.side_s,
+                "budget_s": self.budget_s, "shared_device": self.shared_device,
+                "per_step_s": self.per_step_s, "sessions": self.sessions,
+                "margin": REALTIME_MARGIN}
 
 
 class Turns:

@@ -12,6 +12,7 @@ from .lifecycle import GRACE_PERIOD_S
 from .probes import HEALTH_PORT
 
 MODES = ("check", "livekit", "serve", "render")
+AUTO = "auto"  # --sessions auto: as many as the devices hold in real time
 LIVEKIT_ENV = ("LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET")  # what --livekit reads
 
 
@@ -34,8 +35,9 @@ class RunConfig:
     SIGTERM drains them within `grace_period` seconds; their ports answer to IP addresses,
     localhost and `allow_hosts`, and take state-changing requests from the page's own origin,
     `allow_origins` or no web page (runtime/access.py). `sessions`: the live sessions --serve
-    runs at once over one copy of the engine (runtime/lanes.py). `check` loads the engine,
-    reports its start-up and exits."""
+    runs at once over one copy of the engine (runtime/lanes.py), refused past what the
+    machine holds in real time unless `over_capacity`. `check` loads the engine, reports its
+    start-up and exits."""
 
     engine_dir: Path
     image: Path | None = None
@@ -57,7 +59,8 @@ class RunConfig:
     grace_period: float = GRACE_PERIOD_S
     allow_hosts: tuple[str, ...] = ()
     allow_origins: tuple[str, ...] = ()
-    sessions: int = 1
+    sessions: int | str = 1  # a count, or AUTO
+    over_capacity: bool = False
 
     def __post_init__(self):
         for name in ("ice_servers", "allow_hosts", "allow_origins"):

@@ -22,10 +22,11 @@ import torch
 from charengine.assemble import rank_session
 from charengine.family import family_of
 from charengine.mapping import Mapping
-from charengine.timing import DeviceSpan
+from charengine.timing import DeviceSpan, median
 
 from .engine import Engine, EngineError
-from .lanes import Lane, Turns
+from .lanes import CAPACITY_STEPS, Capacity, Lane, Turns
+from .run_config import AUTO
 from .pipeline import Pipeline, StepTimes, Timed
 
 
@@ -81,13 +82,16 @@ def load_side(engine: Engine, family, device: torch.device, parts: dict):
 
 class Worker:
     def __init__(self, engine: Engine, rank_slice: int | None = None,
-                 engine_kernels: bool = True, sessions: int = 1):
+                 engine_kernels: bool = True, sessions: int | str = 1,
+                 over_capacity: bool = False):
         """`rank_slice`: run one TP rank of a TP engine alone on the first device, its
         all-reduce left out (a benchmark of one rank's work; its frames are not the model's).
         `engine_kernels=False` ignores the engine's compiled kernels and compiles every one
         at start, as a JIT worker does (the start-up benchmark's comparison). `sessions`:
         the lanes (runtime/lanes.py) this worker serves at once over one copy of the
-        engine, each warmed up at start."""
+        engine, each warmed up at start; more than one (or AUTO) measures what the devices
+        hold in real time first (`capacity`) and refuses a number past it, unless
+        `over_capacity` (sessions that then play below real time when all are busy)."""
         t0 = time.perf_counter()
         cfg = self.cfg = engine.config
         self.target = engine.target  # what the page and /status name
@@ -132,23 +136,40 @@ class Worker:
         # others siblings with caches and decoder states of their own; their steps take
         # turns on the device
         self.turns = Turns()
-        self.lanes = [Lane(self, 0, self.session, self.side.decoder)] + [
-            Lane(self, i, self.session.sibling(), self.family.session_decoder(self.side))
-            for i in range(1, sessions)]
+        self.lanes = [Lane(self, 0, self.session, self.side.decoder)]
         t1 = time.perf_counter()
         steps = 0
         # a steady step's processing time (time_processing), measured where the worker warms
         # up; a live session's first deadlines use it
         self.processing_s: float | None = None
         if self.device.type == "cuda":
-            for lane in self.lanes:
-                steps = self.family.warm_up(lane.session)
+            steps = self.family.warm_up(self.session)
             parts["peak_mb_after_dit_warm_up"] = peak_mb(self.device)
             with timed(parts, "time_processing_s"):
                 self.processing_s = self.time_processing()
             parts["peak_mb_after_time_processing"] = peak_mb(self.device)
+        # more sessions than one: how many this device holds in real time, measured here,
+        # decides `auto` and refuses a number it cannot hold
+        self.capacity: Capacity | None = None
+        if sessions != 1:
+            with timed(parts, "capacity_s"):
+                self.capacity = self.measure_capacity()
+            n = self.capacity.sessions if sessions == AUTO else sessions
+            if n > self.capacity.sessions and not over_capacity:
+                raise EngineError(f"--sessions {n}: {self.capacity.describe()}; give "
+                                  f"--sessions {max(1, self.capacity.sessions)} or fewer, or "
+                                  f"--sessions {AUTO}")
+            for i in range(1, max(1, n)):
+                self.lanes.append(Lane(self, i, self.session.sibling(),
+                                       self.family.session_decoder(self.side)))
+                if self.device.type == "cuda":  # its graphs captured before a user arrives
+                    self.family.warm_up(self.lanes[-1].session)
+            if self.device.type == "cuda":
+                parts["peak_mb_after_lanes"] = peak_mb(self.device)
         self.startup = {"load_s": t1 - t0, "warm_up_s": time.perf_counter() - t1,
                         "warm_up_steps": steps, "processing_s": self.processing_s,
+                        "sessions": len(self.lanes),
+                        "capacity": self.capacity.to_dict() if self.capacity else None,
                         "parts": parts | side_parts}
 
     def on_side_stream(self, fn, *inputs, after=None, timed: bool = False):
@@ -210,6 +231,39 @@ class Worker:
         took = time.perf_counter() - t0
         self.side.decoder.reset()
         return took
+
+    @torch.inference_mode()
+    def measure_capacity(self, steps: int = CAPACITY_STEPS, seed: int = 0) -> Capacity:
+        """How many sessions this worker's devices hold in real time: a steady step's busy
+        time on each device (the diffusion; the audio encode and the whole step's decode on
+        the decoder's), medians over `steps` steps of the first lane at its steady point,
+        against the step's budget (its frames at the engine's fps) less REALTIME_MARGIN. The
+        lane's session is left as a session's start will reset it."""
+        lane = self.lanes[0]
+        g = torch.Generator().manual_seed(seed)
+        shapes = self.family.step_shapes(self.spec)
+        window = self.family.audio_window(
+            self.spec, torch.zeros(self.family.window_samples(self.spec)), 1)
+        lane.start(torch.zeros(3, self.spec.out_h, self.spec.out_w), "")
+        for _ in range(self.family.steady_from(self.cfg)):  # the steps before the steady one
+            self.session.step(torch.randn(shapes.noise_shape, generator=g).to(self.device),
+                              lane.encode_window(window, 1).to(self.device))
+        diffusion, side = [], []
+        for _ in range(steps):
+            feats = lane.encode_window(window, 1, timed=True)
+            noise = torch.randn(shapes.noise_shape, generator=g).to(self.device)
+            span = DeviceSpan(self.device)
+            latent = self.session.step(noise, feats.value.to(self.device))
+            span.end()
+            pieces = lane.pieces(latent) or (latent,)
+            decoded = [lane.decode(p, after=span.done, timed=True) for p in pieces]
+            diffusion.append(span.seconds(wait=True))
+            side.append(feats.span.seconds(wait=True) +
+                        sum(d.span.seconds(wait=True) for d in decoded))
+        self.side.decoder.reset()
+        budget = self.family.step_frames(self.spec, 1) / self.spec.fps
+        return Capacity(median(diffusion), median(side), budget,
+                        self.decoder_device == self.device, self.target.name)
 
     @property
     def compiles(self) -> int:
