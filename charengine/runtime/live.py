@@ -431,6 +431,8 @@ class LiveSession:
                 else:
                     self.processing.append((i, took))
             self.speech.wake()  # the next take's deadline moved
+            if self.metrics and i > 0:
+                self.metrics.chunk_latency(took)
             busy = self.pipeline.times.busy_step_s("diffusion", i)
             if self.metrics and busy is not None:  # done: the decoder waited for it
                 self.metrics.step_done(busy, total)

@@ -31,6 +31,7 @@ DRIFT_EVERY = 5  # the drift histogram sees every fifth frame
 STEP_QUANTILES = (0.5, 0.9)
 DRIFT_QUANTILES = (0.9, 1.0)
 LATENCY_QUANTILES = (0.5, 0.9)
+CHUNK_QUANTILES = (0.5, 0.9, 0.99)
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.1667, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0)
 DRIFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 LATENCY_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -128,7 +129,9 @@ class LiveCollector:
         for name, key, doc in (
                 ("step_seconds", "step_s", "A session's diffusion time per step, last minute"),
                 ("speech_latency_seconds", "latency_s", "A session's speech to the frame that "
-                 "plays it, last minute")):
+                 "plays it, last minute"),
+                ("chunk_latency_seconds", "chunk_latency_s", "A session's steps from their "
+                 "speech's take to their first frames, last minute")):
             g = GaugeMetricFamily(f"charengine_session_{name}", doc,
                                   labels=["session", "quantile"])
             for sid, live in lives:
@@ -223,6 +226,9 @@ class Metrics:
     def speech_latency(self, seconds: float) -> None:
         self.current.speech_latency(seconds)
 
+    def chunk_latency(self, seconds: float) -> None:
+        self.current.chunk_latency(seconds)
+
     def queued(self, steps: int, frames: int) -> None:
         self.current.queued(steps, frames)
 
@@ -262,8 +268,13 @@ class SessionMetrics:
         self.steps = Window(window_s)  # (end time, diffusion seconds, frames)
         self.frames = Window(window_s)  # (time, drift, 1)
         self.latencies = Window(window_s)  # (time, latency seconds, 1)
+        self.chunks = Window(window_s)  # (time, take to first frames, 1)
         self.lock = threading.Lock()
         self._reset()
+
+    def chunk_latency(self, seconds: float) -> None:
+        """A step's processing: from its speech's take to its first frames at the pacer."""
+        self.chunks.add(self.clock(), seconds)
 
     def _reset(self) -> None:
         with self.lock:
@@ -281,7 +292,7 @@ class SessionMetrics:
             self._stalls = 0
             self._stall_s = 0.0
             self._queued = (0, 0)
-        for w in (self.steps, self.frames, self.latencies):
+        for w in (self.steps, self.frames, self.latencies, self.chunks):
             w.clear()
         self.queued_steps.set(0)
         self.queued_frames.set(0)
@@ -382,6 +393,8 @@ class SessionMetrics:
                           "last": self._last_latency},
             "drift_s": {**quantiles([v for _, v, _ in frames], DRIFT_QUANTILES),
                         "last": self._last_drift},
+            "chunk_latency_s": quantiles([v for _, v, _ in self.chunks.since(now)],
+                                         CHUNK_QUANTILES),
             "stalls": stalls,
             "stall_s": stall_s,
             "frames_played": played,
