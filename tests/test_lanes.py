@@ -1,7 +1,8 @@
 """Many sessions in one worker (runtime/lanes.py) on the tiny engines of both families: one
-copy of the engine, three lanes rendering at once from different images and speech, each
-lane's frames equal to its frames rendered alone, bit for bit; a worker of one lane is the
-worker it was; steps take their turns earliest deadline first."""
+copy of the engine, three lanes rendering at once from different images and speech (and a
+fourth beside them fed NaN speech), each lane's frames equal to its frames rendered alone,
+bit for bit; a worker of one lane is the worker it was; steps take their turns earliest
+deadline first; more sessions than the machine holds are refused in one line."""
 
 import threading
 import time
@@ -35,22 +36,25 @@ def render(lane, image, speech, steps: int, seed: int) -> list[torch.Tensor]:
 
 def test_three_lanes_render_at_once_as_each_renders_alone(engine_dir):
     engine = Engine.load(engine_dir)
-    worker = Worker(engine, sessions=3, over_capacity=True)
+    worker = Worker(engine, sessions=4, over_capacity=True)
     spec, steps = worker.spec, 5
-    assert len(worker.lanes) == 3
+    assert len(worker.lanes) == 4
     assert all(lane.session.model is worker.session.model for lane in worker.lanes)
-    assert len({id(lane.session.cache) for lane in worker.lanes}) == 3
+    assert len({id(lane.session.cache) for lane in worker.lanes}) == 4
     together: dict[int, list] = {}
 
     def go(i):
-        together[i] = render(worker.lanes[i], *inputs(spec, 10 + i), steps, seed=i)
+        image, speech = inputs(spec, 10 + i)
+        if i == 3:  # a fourth session fed NaN speech beside them
+            speech = torch.full_like(speech, float("nan"))
+        together[i] = render(worker.lanes[i], image, speech, steps, seed=i)
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert sorted(together) == [0, 1, 2] and worker.turns.taken >= 3 * steps
+    assert sorted(together) == [0, 1, 2, 3] and worker.turns.taken >= 4 * steps
     alone = Worker(Engine.load(engine_dir))
     assert len(alone.lanes) == 1
     for i in range(3):
