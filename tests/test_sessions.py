@@ -1,5 +1,5 @@
 """charrun --serve --sessions N with real WebRTC peers (aiortc) in a network namespace of the
-test's own, on the tiny engine: three sessions stream at once from one process and one copy
+test's own, on the tiny engines of both families: three sessions stream at once from one process and one copy
 of the engine; the fourth offer is answered 503 with Retry-After and /readyz reads busy; a
 session's id acts on that session only; stopping one leaves the others streaming and frees
 its place."""
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from charengine.runtime.engine import Engine
 from engines import build_target
 from netns import can_netns, namespace
 
@@ -87,8 +88,9 @@ def wait(pred, most_s: float) -> bool:
     return True
 
 
-def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tmp_path):
-    engine = build_target(tmp_path)
+@pytest.mark.parametrize("target", ["cpu-tiny", "cpu-tiny-livetalk"])
+def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tmp_path, target):
+    engine = build_target(tmp_path, target)
     images = []
     for i, color in enumerate(((200, 40, 40), (40, 200, 40), (40, 40, 200))):
         images.append(tmp_path / f"face{i}.png")
@@ -134,8 +136,10 @@ def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tm
         assert status == 200, body
         assert wait(lambda: clients[0].first("connection") and any(
             s["kind"] == "connection" and s["state"] == "closed" for s in clients[0].said), 30)
-        assert wait(lambda: all(c.frames() >= b + 48 for c, b in zip(clients[1:], before[1:])),
-                    60), [c.frames() for c in clients]
+        fps = Engine.load(engine).config.model.fps
+        assert wait(lambda: all(c.frames() >= b + 2 * fps
+                                for c, b in zip(clients[1:], before[1:])), 60), \
+            [c.frames() for c in clients]
         status, _, body = request(netns, PAGE + "/status")
         assert (body["active"], body["capacity"]) == (2, 3), body
         status, _, ready = request(netns, PROBES + "/readyz")
