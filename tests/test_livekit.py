@@ -398,3 +398,59 @@ def test_a_livetalk_avatar_publishes_16fps_frames_each_with_its_audio(tmp_path):
         if k == "AudioFrame":
             assert kinds[i - 1] == "VideoFrame"
     assert 1.0 <= len(audio_frames) / 16 <= 1.0 + 12 / 16 + 1e-6  # whole chunks
+
+
+def test_a_worker_of_two_sessions_takes_two_jobs_reports_its_load_and_ends_both(tmp_path):
+    """charrun --livekit --sessions 2: LiveKit's requests are accepted while a lane is free
+    (a third is rejected), the load reads sessions / 2 (so dispatch spreads jobs), each job
+    runs in a lane of its own and publishes the character in its room, and a drain's end()
+    stops both jobs; the worker is idle again after."""
+    from charengine.runtime.livekit_avatar import AvatarJobs
+    from livekit_loopback import pair
+
+    two = Worker(Engine.load(build_target(tmp_path)), sessions=2, over_capacity=True)
+    jobs = AvatarJobs(two)
+
+    class Request:
+        def __init__(self):
+            self.job = type("Job", (), {"metadata": "{}"})()
+            self.answer = None
+
+        async def accept(self, **_):
+            self.answer = "accepted"
+
+        async def reject(self):
+            self.answer = "rejected"
+
+    class Context:
+        def __init__(self, room):
+            self.room, self.job, self.ended = room, type("Job", (), {"metadata": '{"sender": '
+                                                                    '"agent"}'})(), None
+
+        async def connect(self):
+            return None
+
+        def shutdown(self, reason=""):
+            self.ended = reason
+
+    async def scenario():
+        asked = [Request() for _ in range(3)]
+        for r in asked:
+            await jobs.request(r)
+        answers, load = [r.answer for r in asked], jobs.load()
+        threshold, full = jobs.load_threshold, jobs.busy()
+        rooms = [pair()[1] for _ in range(2)]
+        contexts = [Context(room) for room in rooms]
+        running = [asyncio.create_task(jobs.entrypoint(c)) for c in contexts]
+        await until(lambda: all(room.local_participant.published for room in rooms), 30)
+        lanes = sorted(jobs.jobs)
+        jobs.end("the worker is stopping")
+        await asyncio.wait_for(asyncio.gather(*running), 30)
+        return answers, load, threshold, full, lanes, contexts
+
+    answers, load, threshold, full, lanes, contexts = asyncio.run(scenario())
+    assert answers == ["accepted", "accepted", "rejected"]
+    assert load == 1.0 and full and threshold == pytest.approx(0.75)
+    assert lanes == [0, 1]
+    assert all(c.ended == "charengine: the worker is stopping" for c in contexts)
+    assert jobs.load() == 0.0 and not jobs.in_session()

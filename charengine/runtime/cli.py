@@ -223,12 +223,14 @@ def side_networks_note(engine: Engine) -> str | None:
               help="With --serve: an origin (https://chars.example.com) whose pages may start "
                    "and control sessions besides the page's own, e.g. your own front end.")
 @click.option("--sessions", type=SessionsParam(), default="1", show_default=True,
-              help="With --serve: live sessions served at once over one copy of the engine "
+              help="With --serve or --livekit: live sessions served at once over one copy of "
+                   "the engine "
                    "(each with its own caches, decoder state, speech and pacing; their steps "
                    "take turns on the device, earliest deadline first). More than one is "
                    "checked at start against what this machine holds in real time (a number "
                    "it cannot hold is refused); 'auto' takes that number. An offer past "
-                   "them gets 503 with Retry-After, and /readyz reads busy.")
+                   "them gets 503 with Retry-After (a LiveKit worker reports its load as "
+                   "sessions / N), and /readyz reads busy.")
 @click.option("--over-capacity", is_flag=True,
               help="With --sessions: serve that many even where this machine holds fewer in "
                    "real time (they play below real time while all are busy).")
@@ -301,9 +303,6 @@ def serve_live(cfg: RunConfig, image_fit: ImageFit, access: Access):
     from .lifecycle import Drain, signals_held
     from .probes import ProbeError, ProbeServer, Readiness
 
-    if cfg.livekit and cfg.sessions != 1:
-        raise click.UsageError("--sessions is --serve's: a --livekit worker serves one session "
-                               "(LiveKit's dispatch spreads sessions over workers)")
     if cfg.livekit:
         if importlib.util.find_spec("livekit") is None \
                 or importlib.util.find_spec("livekit.agents") is None:

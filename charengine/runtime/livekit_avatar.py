@@ -57,7 +57,9 @@ from .worker import Worker
 
 log = logging.getLogger("charengine.livekit")
 AGENT_NAME = "charengine-avatar"
-LOAD_THRESHOLD = 0.5  # the load (1.0 in a job, else 0.0) above which LiveKit sends no job
+# how far short of full (in sessions) the load threshold sits: a worker of N lanes reports
+# load sessions / N and takes no job at (N - LOAD_THRESHOLD) / N or above
+LOAD_THRESHOLD = 0.5
 NOTIFY_FLUSH_S = 0.2  # lets the agent's interrupted-playback message leave before the avatar
 CLAIM_TIMEOUT_S = 15.0  # an accepted job LiveKit never assigned frees the worker after this
 CONNECTION_POLL_S = 0.25  # how often the LiveKit connection's state is read for /readyz
@@ -259,52 +261,86 @@ async def serve_room(room: rtc.Room, worker: Worker, meta: dict, audio_rate: int
 
 
 class AvatarJobs:
-    """The worker's LiveKit request and entrypoint functions and its one-session rule: a job is
-    accepted only while idle (not in a job, not draining, not restarting ranks), the worker
-    reports load 1.0 from the accept to the job's end (so LiveKit dispatches elsewhere), and
-    end() ends the job in progress as a drain does: the turn playing reported interrupted to
-    the agent, the job shut down (the avatar leaves the room). Jobs run on LiveKit's thread
-    executor: their loop is not the worker's."""
+    """The worker's LiveKit request and entrypoint functions over its lanes (one session
+    each, runtime/lanes.py; a worker without lanes is one): a job is accepted only while a
+    lane is free (and the worker not draining, not restarting ranks), the worker reports
+    load = sessions / lanes (accepted jobs not yet started counted), so LiveKit dispatches
+    elsewhere once it is full, and end() ends every job in progress as a drain does: the
+    turn playing reported interrupted to the agent, the job shut down (the avatar leaves the
+    room). Jobs run on LiveKit's thread executor: their loop is not the worker's."""
 
     def __init__(self, worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 24000,
                  image_fit: ImageFit = ImageFit(), metrics: Metrics | None = None):
         self.worker, self.agent_name, self.audio_rate = worker, agent_name, audio_rate
         self.image_fit, self.metrics = image_fit, metrics
+        self.lanes = getattr(worker, "lanes", None) or [worker]
         self.lock = asyncio.Lock()  # held while the ranks restart (worker's loop)
-        self.claimed = threading.Event()  # from the accept to the job's end
+        self.guard = threading.Lock()  # the counts below, across LiveKit's threads
         self.draining = False
-        self.job: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-        self.claims = 0  # accepts so far; a job that starts takes the latest
-        self.started = 0  # the accept whose job has started
+        # lane -> its job's (loop, stop event)
+        self.jobs: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+        self.pending: list[int] = []  # accepted claims not yet started, by number
+        self.claims = 0  # accepts so far
         self.reason, self.ending = "", False
 
+    @property
+    def capacity(self) -> int:
+        return len(self.lanes)
+
+    def active(self) -> int:
+        """Jobs running and accepted ones to come."""
+        with self.guard:
+            return len(self.jobs) + len(self.pending)
+
     def busy(self) -> bool:
-        return self.claimed.is_set()
+        """Every lane taken (what /readyz calls busy; LiveKit sends no job meanwhile)."""
+        return self.active() >= self.capacity
+
+    def in_session(self) -> bool:
+        """A job in progress or about to start (what a drain waits for)."""
+        return self.active() > 0
 
     def load(self, *_) -> float:
-        return 1.0 if self.busy() else 0.0
+        return self.active() / self.capacity
+
+    @property
+    def load_threshold(self) -> float:
+        """LiveKit sends no job at or above it: half a session short of full."""
+        return (self.capacity - LOAD_THRESHOLD) / self.capacity
 
     async def request(self, req: JobRequest) -> None:
-        if self.busy() or self.draining or self.lock.locked():
+        with self.guard:
+            full = len(self.jobs) + len(self.pending) >= self.capacity
+            if not (full or self.draining or self.lock.locked()):
+                self.claims += 1
+                claim = self.claims
+                self.pending.append(claim)
+        if full or self.draining or self.lock.locked():
             await req.reject()
             return
-        self.claimed.set()
-        self.claims += 1
         meta = json.loads(req.job.metadata or "{}")
         await req.accept(identity=meta.get("identity", self.agent_name), name="charengine")
-        asyncio.get_running_loop().call_later(CLAIM_TIMEOUT_S, self._unclaim, self.claims)
+        asyncio.get_running_loop().call_later(CLAIM_TIMEOUT_S, self._unclaim, claim)
 
     def _unclaim(self, claim: int) -> None:
-        if claim == self.claims and self.started != claim and self.job is None:
-            log.warning("an accepted job was not assigned within %g s; idle again",
-                        CLAIM_TIMEOUT_S)
-            self.claimed.clear()
+        with self.guard:
+            if claim in self.pending:
+                self.pending.remove(claim)
+                log.warning("an accepted job was not assigned within %g s; its place is free "
+                            "again", CLAIM_TIMEOUT_S)
 
     async def entrypoint(self, ctx: JobContext) -> None:
         loop, stop = asyncio.get_running_loop(), asyncio.Event()
-        self.claimed.set()
-        self.started, self.job = self.claims, (loop, stop)
-        if self.ending:  # assigned after the drain ended the job in progress: leave at once
+        with self.guard:
+            if self.pending:
+                self.pending.pop(0)
+            lane = next((i for i in range(self.capacity) if i not in self.jobs), None)
+            if lane is not None:
+                self.jobs[lane] = (loop, stop)
+        if lane is None:  # LiveKit assigned more jobs than were accepted: no place for it
+            ctx.shutdown(reason="charengine: every session of this worker is in progress")
+            return
+        if self.ending:  # assigned after the drain ended the jobs in progress: leave at once
             stop.set()
         try:
             connect = asyncio.ensure_future(ctx.connect())
@@ -315,23 +351,25 @@ class AvatarJobs:
                 connect.cancel()
             else:
                 connect.result()
-                await serve_room(ctx.room, self.worker, json.loads(ctx.job.metadata or "{}"),
-                                 self.audio_rate, self.image_fit, self.metrics, stop)
+                await serve_room(ctx.room, self.lanes[lane],
+                                 json.loads(ctx.job.metadata or "{}"), self.audio_rate,
+                                 self.image_fit, self.metrics, stop)
             if stop.is_set():
                 ctx.shutdown(reason=f"charengine: {self.reason}")
         except SessionFailed as e:
             log.error("session in room %s failed: %s", ctx.room.name, e)
             ctx.shutdown(reason=f"charengine: {e}")
         finally:
-            self.job = None
-            self.claimed.clear()
+            with self.guard:
+                self.jobs.pop(lane, None)
 
     def end(self, reason: str) -> None:
-        """End the job in progress (any thread)."""
+        """End every job in progress (any thread)."""
         self.reason, self.ending = reason, True
-        job = self.job
-        if job is not None:
-            job[0].call_soon_threadsafe(job[1].set)
+        with self.guard:
+            jobs = list(self.jobs.values())
+        for loop, stop in jobs:
+            loop.call_soon_threadsafe(stop.set)
 
 
 def connecting(server: AgentServer) -> bool:
@@ -407,8 +445,8 @@ async def _worker_main(jobs: AvatarJobs, opts: WorkerOptions, readiness: Readine
             jobs.draining = True
             left = drain.session_left_s()
             readiness.draining(f"stopping ({sig.name})" + (
-                f": the session in progress ends within {left:.0f} s"
-                if jobs.busy() and left > 0 else ""))
+                f": the sessions in progress end within {left:.0f} s"
+                if jobs.in_session() and left > 0 else ""))
         wake.set()
 
     for sig in STOP_SIGNALS:
@@ -423,8 +461,8 @@ async def _worker_main(jobs: AvatarJobs, opts: WorkerOptions, readiness: Readine
     readiness.loading(f"registering with the LiveKit server at {os.environ['LIVEKIT_URL']}")
     run = asyncio.ensure_future(server.run())
     woken = asyncio.ensure_future(wake.wait())
-    ranks = asyncio.ensure_future(keep_ranks(jobs.worker, readiness, jobs.lock, jobs.busy,
-                                             drain))
+    ranks = asyncio.ensure_future(keep_ranks(jobs.worker, readiness, jobs.lock,
+                                             jobs.in_session, drain))
     watch = asyncio.ensure_future(watch_connection(server, readiness, registered, drain))
     try:
         await asyncio.wait([run, woken], return_when=asyncio.FIRST_COMPLETED)
@@ -434,9 +472,9 @@ async def _worker_main(jobs: AvatarJobs, opts: WorkerOptions, readiness: Readine
             readiness.failed(f"the LiveKit server at {os.environ['LIVEKIT_URL']}: {why}")
             raise LiveKitSetupError(f"the LiveKit server at {os.environ['LIVEKIT_URL']}: {why}")
         drained = asyncio.ensure_future(server.drain(timeout=None))  # LiveKit: no more jobs
-        await drain.until_sessions_end(jobs.busy)
-        if jobs.busy():
-            log.info("stopping: ending the session in progress")
+        await drain.until_sessions_end(jobs.in_session)
+        if jobs.in_session():
+            log.info("stopping: ending the sessions in progress")
         jobs.end("the worker is stopping")  # and any job LiveKit still assigns
         await drained
     finally:
@@ -466,6 +504,6 @@ def run_worker(worker: Worker, agent_name: str = AGENT_NAME, audio_rate: int = 2
     jobs = AvatarJobs(worker, agent_name, audio_rate, image_fit, metrics)
     opts = WorkerOptions(entrypoint_fnc=jobs.entrypoint, request_fnc=jobs.request,
                          agent_name=agent_name, job_executor_type=JobExecutorType.THREAD,
-                         load_fnc=jobs.load, load_threshold=LOAD_THRESHOLD, host=host,
+                         load_fnc=jobs.load, load_threshold=jobs.load_threshold, host=host,
                          port=0)
     asyncio.run(_worker_main(jobs, opts, readiness or Readiness(), drain or Drain()))
