@@ -7,7 +7,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0   # the CPU build; an unpinned torch pulls CUDA (GBs)
-	$(PY) -m pip install -q -e '.[test,livekit]'
+	$(PY) -m pip install -q -e '.[test,livekit,pipecat]'
 	touch $@
 
 install: $(VENV)/.installed

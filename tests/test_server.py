@@ -253,6 +253,11 @@ def test_control_requests_act_only_on_the_session_they_name(server):
         assert status == 400
     assert json.loads(server.request("/status")[2])["state"] == "streaming"
     assert server.request("/interrupt", json.dumps({"session": token}).encode())[0] == 200
+    status, ctype, data = server.request("/interrupt", json.dumps(
+        {"session": token, "in_flight": "later"}).encode())
+    assert status == 400 and "'in_flight'" in error_of(status, ctype, data)
+    assert server.request("/interrupt", json.dumps(
+        {"session": token, "in_flight": "drop"}).encode())[0] == 200
     assert server.request("/stop", json.dumps({"session": token}).encode())[0] == 200
     assert json.loads(server.request("/status")[2])["state"] == "ready"
     status, _, data = server.request("/offer", json.dumps(aiortc_offer()).encode())
@@ -386,3 +391,41 @@ def test_a_live_session_reports_its_states_and_the_latency_of_its_speech(engines
     assert s.state == "interrupted"  # silence after a barge-in stays "interrupted"
     s.stop()
     assert states[-2:] == ["interrupted", "ended"] and m.live()["frames_played"] > 8, states
+
+
+def test_a_barge_in_that_drops_the_speech_in_flight_drops_it_up_to_the_first_silence():
+    """/interrupt with "in_flight": "drop": the microphone's frames still arriving loud are
+    dropped; from its first silent frame on, everything is heard again."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import av
+    import numpy as np
+
+    from charengine.runtime.server import Served, Server
+
+    rate = 16000
+
+    def frame(level: float, pts: int):
+        pcm = np.full((1, 320), int(level * 32767), np.int16)
+        f = av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
+        f.sample_rate, f.pts = rate, pts
+        return f
+
+    levels = [0.5, 0.5, 0.0, 0.5, 0.25]
+    frames = [frame(v, i * 320) for i, v in enumerate(levels)]
+
+    class Track:
+        async def recv(self):
+            if not frames:
+                raise RuntimeError("ended")
+            return frames.pop(0)
+
+    heard = []
+    served = Served("t", 1, 0, SimpleNamespace(say=lambda x: heard.append(float(x.abs().max()))),
+                    None, hush=True)
+    this = SimpleNamespace(worker=SimpleNamespace(spec=SimpleNamespace(
+        side=SimpleNamespace(sample_rate=rate))))
+    asyncio.run(Server._microphone(this, Track(), served))
+    assert not served.hush
+    assert [round(h, 2) for h in heard] == [0.0, 0.5, 0.25]

@@ -53,7 +53,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 from .access import JSON_TYPE, UPLOAD_RETRY_AFTER_S, Access, UploadGate
 from .formats import MAX_UPLOAD_SPEECH_S, ImageFit, MediaError
 from .images import load_image
-from .live import LiveSession
+from .live import SILENCE_LEVEL, LiveSession
 from .media import read_audio
 from .metrics import Metrics
 from .webrtc import PacedOutput
@@ -179,6 +179,9 @@ class Served:
     pc: RTCPeerConnection
     events: object = None
     tasks: list = field(default_factory=list)
+    # a barge-in asked the microphone's audio already on its way to be dropped: it is, up to
+    # its first silent frame (what the client sends once it has cleared its own queue)
+    hush: bool = False
 
 
 def _checked_str(body: dict, key: str, default=None):
@@ -426,7 +429,7 @@ class Server:
                 served.session.say(speech)
             for track in microphones:
                 served.tasks.append(asyncio.ensure_future(
-                    self._microphone(track, served.session)))
+                    self._microphone(track, served)))
             served.tasks += [asyncio.ensure_future(self._connect_watchdog(served)),
                              asyncio.ensure_future(self._peer_watchdog(served)),
                              asyncio.ensure_future(self._push_stats(served))]
@@ -516,7 +519,7 @@ class Server:
         for served in list(self.live.values()):
             self._send(served, event)
 
-    async def _microphone(self, track, session: LiveSession):
+    async def _microphone(self, track, served: Served):
         rs = av.AudioResampler(format="flt", layout="mono", rate=self.worker.spec.side.sample_rate)
         while True:
             try:
@@ -524,11 +527,17 @@ class Server:
             except Exception:  # noqa: BLE001 - the track ended
                 return
             for f in rs.resample(frame):
-                session.say(torch.from_numpy(np.ascontiguousarray(f.to_ndarray().reshape(-1))))
+                samples = np.ascontiguousarray(f.to_ndarray().reshape(-1))
+                if served.hush:
+                    if samples.size == 0 or np.abs(samples).max() > SILENCE_LEVEL:
+                        continue  # sent before the barge-in
+                    served.hush = False
+                served.session.say(torch.from_numpy(samples))
 
-    async def _owned(self, request) -> Served:
+    async def _owned(self, request, body=None) -> Served:
         """The session a control request names ({"session": token}, as /offer returned it)."""
-        body = parse_json(await request.read(), "the request")
+        if body is None:
+            body = parse_json(await request.read(), "the request")
         token = body.get("session") if isinstance(body, dict) else None
         if not isinstance(token, str) or not token:
             raise BadRequest('name the session: {"session": id}, the id /offer returned')
@@ -542,7 +551,16 @@ class Server:
         return served
 
     async def interrupt(self, request):
-        served = await self._owned(request)
+        """A barge-in. With "in_flight": "drop" the microphone's audio already sent is dropped
+        too, up to its first silent frame: a client that clears its own queue of speech and
+        then sends silence (charengine.pipecat) asks for it; the page does not (its
+        microphone is the user, who may go on speaking)."""
+        body = parse_json(await request.read(), "the request")
+        served = await self._owned(request, body)
+        in_flight = body.get("in_flight", "keep")
+        if in_flight not in ("keep", "drop"):
+            raise BadRequest("'in_flight' must be \"keep\" or \"drop\"")
+        served.hush = in_flight == "drop"
         t = served.session.interrupt()
         return web.json_response({"interrupt_t": t, "now": time.monotonic()})
 

@@ -1,0 +1,239 @@
+"""`CharacterVideoService`: a Pipecat frame processor, placed after the bot's TTS, that turns
+the bot's speech into the character speaking it, from a `charrun --serve` the bot runs itself.
+
+Frames in and out:
+- `StartFrame` opens a session on the server (client.py: over WebRTC, as the page does) with
+  the reference image and prompt; `EndFrame` and `CancelFrame` end it and free its place.
+- `TTSAudioRawFrame`: resampled to the engine's rate and sent to the session as it arrives;
+  not passed on. The character's speech comes back in its place, in step with its frames.
+- Pushed downstream as they arrive from the server (paced there from one clock): the
+  character's frames as `OutputImageRawFrame` (RGB, the engine's size, at its fps) and its
+  audio as `SpeechOutputAudioRawFrame` (an `OutputAudioRawFrame` of a continuous stream: the
+  speech, and silence between turns), 16-bit mono at the pipeline's output rate.
+- `InterruptionFrame` (the user began speaking) is the session's barge-in: speech not yet
+  sent is dropped here, the rest and the frames not yet played at the server; the character
+  returns to listening. Passed on.
+- Everything else passes through in order.
+
+When the server refuses the session (busy, full, draining, a bad image) or the session fails,
+an `ErrorFrame` carries the server's own sentence upstream; the service never waits without
+a bound. A lost connection (or a session the server ended) is opened again on `Reconnect`'s
+policy (3 tries, 0.5 s, 1 s, 2 s apart by default), then given up with an `ErrorFrame`.
+While no session is open the bot's speech passes through unchanged: the user still hears
+the bot, without the character.
+
+Metrics: time to first byte, from the first TTS audio of a turn to the first frame of the
+character speaking it leaving the service (`can_generate_metrics`)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+from loguru import logger
+from pipecat.frames.frames import (CancelFrame, EndFrame, Frame, InterruptionFrame,
+                                   OutputImageRawFrame, SpeechOutputAudioRawFrame, StartFrame,
+                                   TTSAudioRawFrame, TTSStartedFrame)
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSetup
+from pipecat.services.ai_service import AIService
+from pipecat.services.settings import ServiceSettings
+
+from .client import CharacterClient, EngineInfo, Refused, Unreachable
+
+# a received audio frame louder than this (RMS, of full scale) carries speech: the end of a
+# turn's time to first byte (Opus decodes silence to exact zeros or near them)
+VOICED_RMS = 10 ** (-50 / 20)
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    """What a lost connection gets: `attempts` new sessions, the first after `delay_s`, each
+    next `factor` times later; then an ErrorFrame. attempts=0: none."""
+    attempts: int = 3
+    delay_s: float = 0.5
+    factor: float = 2.0
+
+    def delays(self) -> list[float]:
+        return [self.delay_s * self.factor ** i for i in range(self.attempts)]
+
+
+def _pcm(frame: av.AudioFrame) -> np.ndarray:
+    return frame.to_ndarray().reshape(-1)
+
+
+def _s16(samples: np.ndarray) -> np.ndarray:
+    """Float samples in [-1, 1] as 16-bit."""
+    return (np.clip(samples, -1, 1) * 32767).round().astype(np.int16)
+
+
+class CharacterVideoService(AIService):
+    """The character of a local `charrun --serve` at `url` (its page's address), animated
+    from `image` (a path or the file's bytes; None: the server's grey frame) and `prompt`."""
+
+    def __init__(self, url: str, image: str | Path | bytes | None = None,
+                 prompt: str | None = None, *, reconnect: Reconnect = Reconnect(),
+                 ice_servers: tuple[str, ...] = (), connect_timeout_s: float | None = None,
+                 **kwargs):
+        # no model to name: the settings say so (Pipecat checks every field is given)
+        super().__init__(settings=ServiceSettings(model=None), **kwargs)
+        self._url, self._image, self._prompt = url, image, prompt
+        self._reconnect = reconnect
+        client_kw = {"ice_servers": tuple(ice_servers)}
+        if connect_timeout_s is not None:
+            client_kw["connect_timeout_s"] = connect_timeout_s
+        self._client_kw = client_kw
+        self._client: CharacterClient | None = None
+        self._info: EngineInfo | None = None
+        self._out_rate = 24000
+        self._to_engine: av.AudioResampler | None = None
+        self._to_engine_from: tuple[int, int] | None = None
+        self._to_pipeline: av.AudioResampler | None = None
+        self._open = False  # a session is connected
+        self._ending = False  # EndFrame or CancelFrame seen
+        self._turn_waiting = False  # TTS audio of a turn sent, its first frame not yet out
+        self._rejoin: asyncio.Task | None = None
+
+    @property
+    def engine(self) -> EngineInfo | None:
+        """The engine of the open session (/status): fps, frame size, sample rate."""
+        return self._info
+
+    def can_generate_metrics(self) -> bool:
+        return True
+
+    async def setup(self, setup: FrameProcessorSetup):
+        await super().setup(setup)
+        self._out_rate = setup.audio_out_sample_rate
+
+    async def start(self, frame: StartFrame):
+        await super().start(frame)
+        self._ending = False
+        # to float, not 16-bit: FFmpeg's resampler scales a 16-bit downmix of the decoded
+        # stereo by a further 1/sqrt(2) (the received speech would be 3 dB quieter than sent)
+        self._to_pipeline = av.AudioResampler(format="flt", layout="mono", rate=self._out_rate)
+        await self._connect()
+
+    async def stop(self, frame: EndFrame):
+        await super().stop(frame)
+        await self._end()
+
+    async def cancel(self, frame: CancelFrame):
+        await super().cancel(frame)
+        await self._end()
+
+    async def cleanup(self):
+        await super().cleanup()
+        await self._end()
+
+    # the session
+
+    def _new_client(self) -> CharacterClient:
+        return CharacterClient(self._url, self._image, self._prompt, on_video=self._video,
+                               on_audio=self._audio, on_lost=self._lost, **self._client_kw)
+
+    async def _connect(self) -> bool:
+        """Open a session; an ErrorFrame with the server's sentence if it cannot be."""
+        client = self._new_client()
+        try:
+            self._info = await client.open()
+        except Refused as e:
+            await self.push_error(error_msg=str(e), exception=e)
+            return False
+        except Unreachable as e:
+            await self.push_error(error_msg=str(e), exception=e)
+            return False
+        self._client, self._open = client, True
+        logger.info(f"{self}: session open on {self._url} ({self._info.preset}, "
+                    f"{self._info.width}x{self._info.height} at {self._info.fps} fps)")
+        return True
+
+    def _lost(self, why: str) -> None:
+        """The session ended without us: open another on the reconnect policy."""
+        self._open = False
+        if self._ending or (self._rejoin is not None and not self._rejoin.done()):
+            return
+        logger.warning(f"{self}: {why}")
+        self._rejoin = self.create_task(self._rejoin_after(why))
+
+    async def _rejoin_after(self, why: str) -> None:
+        old, self._client = self._client, None
+        if old is not None:
+            await old.close(tell_server=False)
+        for i, delay in enumerate(self._reconnect.delays()):
+            await asyncio.sleep(delay)
+            if self._ending:
+                return
+            logger.info(f"{self}: reconnecting ({i + 1} of {self._reconnect.attempts})")
+            client = self._new_client()
+            try:
+                self._info = await client.open()
+            except (Refused, Unreachable) as e:
+                why = str(e)
+                continue
+            self._client, self._open = client, True
+            return
+        await self.push_error(error_msg=f"{why}; gave up after {self._reconnect.attempts} "
+                                        "reconnection attempts")
+
+    async def _end(self) -> None:
+        self._ending, self._open = True, False
+        if self._rejoin is not None:
+            await self.cancel_task(self._rejoin)
+            self._rejoin = None
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+    # what comes back
+
+    async def _video(self, frame: av.VideoFrame) -> None:
+        rgb = frame.to_ndarray(format="rgb24")
+        await self.push_frame(OutputImageRawFrame(image=rgb.tobytes(),
+                                                  size=(rgb.shape[1], rgb.shape[0]),
+                                                  format="RGB"))
+
+    async def _audio(self, frame: av.AudioFrame) -> None:
+        frame.pts = None  # the resampler keeps its own count
+        for part in self._to_pipeline.resample(frame):
+            pcm = _s16(_pcm(part))
+            if self._turn_waiting and pcm.size and \
+                    np.sqrt(np.mean((pcm / 32768.0) ** 2)) > VOICED_RMS:
+                self._turn_waiting = False
+                await self.stop_ttfb_metrics()
+            await self.push_frame(SpeechOutputAudioRawFrame(
+                audio=pcm.tobytes(), sample_rate=self._out_rate, num_channels=1))
+
+    # what goes in
+
+    def _resampled(self, frame: TTSAudioRawFrame) -> np.ndarray:
+        """The frame's samples at the engine's rate, mono, 16-bit."""
+        key = (frame.sample_rate, frame.num_channels)
+        if self._to_engine is None or self._to_engine_from != key:
+            self._to_engine = av.AudioResampler(format="flt", layout="mono",
+                                                rate=self._info.sample_rate)
+            self._to_engine_from = key
+        pcm = np.frombuffer(frame.audio, dtype=np.int16).reshape(-1, frame.num_channels)
+        af = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm.reshape(1, -1)), format="s16",
+                                        layout="mono" if frame.num_channels == 1 else "stereo")
+        af.sample_rate = frame.sample_rate
+        return _s16(np.concatenate([_pcm(p) for p in self._to_engine.resample(af)] or
+                                   [np.zeros(0, np.float32)]))
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        if isinstance(frame, TTSAudioRawFrame) and self._open:
+            if not self._turn_waiting and self._client.speech.queued == 0:
+                self._turn_waiting = True
+                await self.start_ttfb_metrics()
+            self._client.say(self._resampled(frame))
+            return
+        if isinstance(frame, TTSStartedFrame):
+            self._turn_waiting = False
+        if isinstance(frame, InterruptionFrame) and self._open:
+            self._turn_waiting = False
+            await self.cancel_ttfb_metrics()
+            await self._client.interrupt()
+        await self.push_frame(frame, direction)

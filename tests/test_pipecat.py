@@ -1,0 +1,217 @@
+"""charengine.pipecat against the real server on the tiny engine, in a network namespace of the
+test's own (WebRTC peers need an address other than loopback): Pipecat pipelines
+(scripts/pipecat_turns.py: a TTS-like source, CharacterVideoService, a recording sink) and
+the example bot on Pipecat's SmallWebRTCTransport with an aiortc peer as its visitor.
+
+What holds: the character's frames leave the service at the engine's fps and size; its audio
+is the TTS's speech, delayed (WebRTC carries it as Opus both ways: equal in loudness, its
+10 ms envelope matching at one delay, not sample for sample); the mouth follows that speech
+as docs/QUALITY.md measures it; other frames pass in order and the TTS's own audio does not;
+a barge-in ends the speech within a chunk (and the receiver's jitter buffer) and the next turn
+plays; EndFrame frees the server's place; a full server is an ErrorFrame with its sentence."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+
+pytest.importorskip("pipecat", reason="the extra `pipecat` is not installed")
+
+from charengine.builder.build import build  # noqa: E402
+from charengine.builder.build_config import BuildConfig  # noqa: E402
+from netns import can_netns, namespace  # noqa: E402
+from tinychar.quality import lip_sync  # noqa: E402
+from tinychar.synth import clip  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+PAGE, PROBES, BOT = "http://127.0.0.1:8080/", "http://127.0.0.1:8081/", "http://127.0.0.1:7860/"
+SPEECH_S = 4.0
+TRAINED = ROOT / "charengine" / "checkpoints" / "tiny.safetensors"  # its mouth follows speech
+SEED = 424242  # a clip training never drew
+# aiortc's audio jitter buffer holds 4 packets of 20 ms before it plays: audio the server sent
+# before a barge-in may still arrive this long after it
+RECEIVER_PREFETCH_S = 4 * 0.02
+ENVELOPE_S = 0.01
+
+
+def wait(pred, most_s: float) -> bool:
+    end = time.monotonic() + most_s
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """charrun --serve --sessions 1 on the tiny engine in a namespace; a face and a speech
+    clip of the kind the tiny character was trained on."""
+    if not can_netns():
+        pytest.skip("needs root and iproute2 (network namespaces) for WebRTC peers")
+    tmp = tmp_path_factory.mktemp("pipecat")
+    engine = tmp / "cpu-tiny"
+    build(BuildConfig("cpu-tiny", engine, weights=TRAINED), log=lambda s: None)
+    c = clip(SPEECH_S, 64, np.random.default_rng(SEED))
+    Image.fromarray(c.frames[0]).save(tmp / "face.png")
+    sf.write(tmp / "speech.wav", c.audio, c.sample_rate)
+    with namespace("charpc", "10.233.6") as name:
+        netns = ["ip", "netns", "exec", name]
+        server = subprocess.Popen([*netns, sys.executable, "-m", "charengine.runtime.cli",
+                                   "--engine", str(engine), "--serve", "--port", "8080",
+                                   "--health-port", "8081", "--sessions", "1"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(iter(server.stdout.readline, "")),
+                         daemon=True).start()
+        try:
+            assert wait(lambda: any("serving on" in ln for ln in lines), 120), "".join(lines)
+            yield {"netns": netns, "tmp": tmp, "engine": engine, "lines": lines}
+        finally:
+            server.terminate()
+            server.wait(30)
+        assert "Traceback" not in "".join(lines), "".join(lines)
+
+
+def turns(served, *extra: str, npz: str | None = None) -> dict:
+    out = ["--out", str(served["tmp"] / npz)] if npz else []
+    r = subprocess.run([*served["netns"], sys.executable, str(ROOT / "scripts/pipecat_turns.py"),
+                        "--url", PAGE, "--image", str(served["tmp"] / "face.png"), "--speech",
+                        str(served["tmp"] / "speech.wav"), "--quiet", *out, *extra],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def status(served) -> dict:
+    r = subprocess.run([*served["netns"], sys.executable, "-c",
+                        "import json, urllib.request; print(urllib.request.urlopen("
+                        f"'{PAGE}status', timeout=10).read().decode())"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def resampled(pcm: np.ndarray, rate: int, to: int) -> np.ndarray:
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[None]), format="s16",
+                                       layout="mono")
+    frame.sample_rate = rate
+    rs = av.AudioResampler(format="flt", layout="mono", rate=to)
+    parts = [p.to_ndarray().reshape(-1) for p in rs.resample(frame)]
+    parts += [p.to_ndarray().reshape(-1) for p in rs.resample(None)]
+    return np.concatenate(parts).astype(np.float64)
+
+
+def envelope(x: np.ndarray, n: int) -> np.ndarray:
+    m = len(x) // n
+    return np.sqrt(np.mean(x[: m * n].reshape(m, n) ** 2, axis=1))
+
+
+def test_a_turn_of_tts_speech_becomes_the_character_speaking_it(served):
+    r = turns(served, "--turns", "1", npz="turn.npz")
+    engine = r["engine"]
+    assert r["errors"] == [], r["errors"]
+    # the frames: the engine's size, at its fps
+    assert r["sizes"] == [[engine["width"], engine["height"]]] == [[64, 64]]
+    fps = (r["frames"] - 1) / (r["frames_last_s"] - r["frames_first_s"])
+    assert abs(fps - engine["fps"]) < 0.1 * engine["fps"], fps
+    # the character's speech in place of the TTS's audio; other frames in their order
+    assert r["audio_kinds"] == ["SpeechOutputAudioRawFrame"], r["audio_kinds"]
+    assert r["texts"] == ["turn 1", "end of turn 1"]
+    order = [k for k in r["kinds"] if k in ("TextFrame", "TTSStartedFrame", "TTSStoppedFrame")]
+    assert order == ["TextFrame", "TTSStartedFrame", "TTSStoppedFrame", "TextFrame"], r["kinds"]
+    assert r["turns"][0]["latency_s"] is not None and r["turns"][0]["latency_s"] > 0
+
+    d = np.load(served["tmp"] / "turn.npz")
+    rate = int(d["out_rate"])
+    out = d["audio"].astype(np.float64) / 32768
+    said = d["speech"].astype(np.float64) / 32768  # at the TTS's rate, which is rate too
+    # the speech comes back whole and as loud, delayed: its 10 ms envelope at the best delay
+    n = round(rate * ENVELOPE_S)
+    e_out, e_in = envelope(out, n), envelope(said, n)
+    corr = {k: np.corrcoef(e_out[k: k + len(e_in)], e_in)[0, 1]
+            for k in range(len(e_out) - len(e_in))}
+    delay = max(corr, key=corr.get)
+    assert corr[delay] > 0.9, corr[delay]
+    back = out[delay * n: delay * n + len(said)]
+    level_db = 10 * np.log10(np.mean(back ** 2) / np.mean(said ** 2))
+    assert abs(level_db) < 1.0, level_db
+    # the mouth follows the speech leaving beside it (the frames from the first audio's time)
+    a16 = resampled(d["audio"], rate, 16000)
+    shift = int(round((d["audio_t"][0] - d["image_t"][0]) * 16000))
+    a16 = np.concatenate([np.zeros(max(shift, 0)), a16[max(-shift, 0):]])
+    a16 = np.pad(a16, (0, max(0, int(len(d["images"]) / engine["fps"] * 16000) + 16000
+                                 - len(a16))))
+    sync = lip_sync(d["images"], a16, 16000, engine["fps"])
+    assert sync.near > 0.3, sync
+    # EndFrame freed the server's place
+    assert wait(lambda: status(served)["active"] == 0, 5), status(served)
+
+
+def test_an_interruption_ends_the_speech_within_a_chunk_and_the_next_turn_plays(served):
+    r = turns(served, "--scenario", "interrupt", "--interrupt-after-s", "1.0")
+    assert r["errors"] == [], r["errors"]
+    assert "InterruptionFrame" in r["kinds"]
+    assert r["interrupt"] is not None, r
+    assert r["interrupt"]["last_voiced_after_s"] <= r["engine"]["step_s"] + \
+        RECEIVER_PREFETCH_S, r["interrupt"]
+    assert r["turns"][0]["latency_s"] is not None, r  # the next turn's voice left the service
+
+
+def test_a_full_server_is_an_error_frame_and_end_frees_it(served):
+    """One pipeline holds the only session; a second one gets the server's sentence as an
+    ErrorFrame and ends at once; once the first has ended, the next opens."""
+    holder = subprocess.Popen(
+        [*served["netns"], sys.executable, str(ROOT / "scripts/pipecat_turns.py"), "--url",
+         PAGE, "--image", str(served["tmp"] / "face.png"), "--scenario", "open", "--lead-s",
+         "6", "--tail-s", "0", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        assert wait(lambda: status(served)["active"] == 1, 30)
+        t0 = time.monotonic()
+        r = turns(served, "--scenario", "open", "--lead-s", "0", "--tail-s", "0")
+        assert time.monotonic() - t0 < 30
+        assert len(r["errors"]) == 1 and "full: 1 session in progress" in r["errors"][0], r
+        assert r["frames"] == 0
+    finally:
+        out, err = holder.communicate(timeout=60)
+    assert json.loads(out.strip().splitlines()[-1])["errors"] == [], err[-2000:]
+    assert wait(lambda: status(served)["active"] == 0, 5)
+    r = turns(served, "--scenario", "open", "--lead-s", "0.5", "--tail-s", "0")
+    assert r["errors"] == [] and r["frames"] > 0, r
+
+
+def test_the_example_bot_streams_the_character_to_a_visitor(served):
+    """examples/pipecat_bot.py on SmallWebRTCTransport, an aiortc peer as the visitor
+    speaking into it: the visitor receives the character's video and voice."""
+    bot = subprocess.Popen([*served["netns"], sys.executable, str(ROOT / "examples/pipecat_bot.py"),
+                            "--charrun", PAGE, "--image", str(served["tmp"] / "face.png"),
+                            "--host", "127.0.0.1", "--port", "7860"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(bot.stdout.readline, "")),
+                     daemon=True).start()
+    try:
+        assert wait(lambda: any("Uvicorn running" in ln for ln in lines), 60), "".join(lines)
+        v = subprocess.run([*served["netns"], sys.executable, str(ROOT / "tests/pipecat_visitor.py"),
+                            "--url", BOT, "--speech", str(served["tmp"] / "speech.wav"),
+                            "--seconds", "9"], capture_output=True, text=True, timeout=120)
+        assert v.returncode == 0, v.stderr[-3000:]
+        got = json.loads(v.stdout.strip().splitlines()[-1])
+        assert got["sizes"] == [[64, 64]], got
+        assert got["frames"] > 5 * 24, got  # video for most of the 9 s
+        assert got["voiced_s"] > 1.0, got  # the character's voice: the visitor's speech
+        # the visitor left: the bot's pipeline ended and freed the character's server
+        assert wait(lambda: status(served)["active"] == 0, 15), "".join(lines[-40:])
+    finally:
+        bot.terminate()
+        bot.wait(30)
