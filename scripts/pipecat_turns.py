@@ -9,6 +9,8 @@ Scenarios (--scenario):
 - interrupt: a turn, a barge-in (Pipecat's interruption) --interrupt-after-s after its first
   voiced frame left the service, then a second turn.
 - open: the session is opened and the pipeline ended at once (for a server that refuses).
+- lose: the session's connection is cut from the bot's side --lose-after-s into it (as a
+  network that drops would), then a turn: the service opens a new session on its policy.
 
 Prints one JSON line: the engine, the frames (count, size, first and last time), each turn's
 latency (from its first TTS audio to the first voiced audio leaving the service: the
@@ -112,7 +114,7 @@ async def run(args) -> dict:
     speech = read_speech(args.speech, TTS_RATE) if args.speech else np.zeros(0, np.int16)
     source = Recorder(FrameDirection.UPSTREAM)
     service = CharacterVideoService(args.url, args.image, args.prompt,
-                                    reconnect=Reconnect(attempts=0))
+                                    reconnect=Reconnect(attempts=args.reconnects))
     sink = Recorder(FrameDirection.DOWNSTREAM)
     sink.t0 = source.t0
     worker = PipelineWorker(Pipeline([source, service, sink]), cancel_on_idle_timeout=False,
@@ -187,6 +189,15 @@ async def run(args) -> dict:
                                         None if first2 is None else round(first2 - t2, 4)})
             else:
                 await speaking
+        elif args.scenario == "lose":
+            await asyncio.sleep(args.lose_after_s)
+            frames_before = len(sink.images)
+            await service._client.pc.close()  # the connection drops
+            t = await say(1, speech)
+            first = await first_voice_after(t)
+            report["turns"].append({"tts_first_s": round(t, 4), "latency_s":
+                                    None if first is None else round(first - t, 4)})
+            report["frames_before_loss"] = frames_before
         await asyncio.sleep(args.tail_s)
         await worker.queue_frame(EndFrame())
 
@@ -204,7 +215,8 @@ async def run(args) -> dict:
         "frames_last_s": sink.image_t[-1] if sink.image_t else None,
         "audio_s": round(sum(a.size for a in sink.audio) / OUT_RATE, 3),
         "audio_kinds": sorted(sink.audio_kinds),
-        "texts": sink.texts, "kinds": sink.kinds, "errors": source.errors})
+        "texts": sink.texts, "kinds": sink.kinds, "errors": source.errors,
+        "sessions_opened": service.sessions_opened})
     if args.out:
         np.savez_compressed(args.out, images=np.stack(sink.images) if sink.images else
                             np.zeros((0, 1, 1, 3), np.uint8), image_t=np.array(sink.image_t),
@@ -222,7 +234,11 @@ def main() -> None:
     ap.add_argument("--image", type=Path)
     ap.add_argument("--prompt")
     ap.add_argument("--speech", type=Path, help="the TTS's speech (any format PyAV reads)")
-    ap.add_argument("--scenario", choices=("speak", "interrupt", "open"), default="speak")
+    ap.add_argument("--scenario", choices=("speak", "interrupt", "open", "lose"),
+                    default="speak")
+    ap.add_argument("--reconnects", type=int, default=0,
+                    help="the service's reconnection attempts (Reconnect.attempts)")
+    ap.add_argument("--lose-after-s", type=float, default=2.0)
     ap.add_argument("--turns", type=int, default=1)
     ap.add_argument("--tts-speed", type=float, default=1.0,
                     help="how fast the TTS delivers its audio: 1 real time, 4 in bursts")

@@ -190,6 +190,40 @@ def test_a_full_server_is_an_error_frame_and_end_frees_it(served):
     assert r["errors"] == [] and r["frames"] > 0, r
 
 
+def test_a_lost_connection_is_opened_again_and_the_turn_plays_there(served):
+    """The bot's side of the connection cut mid-session: the service opens a new session on
+    its policy, the speech said meanwhile plays there (never as the bare TTS audio), and the
+    server frees the lost one."""
+    r = turns(served, "--scenario", "lose", "--reconnects", "3", "--lose-after-s", "2")
+    assert r["errors"] == [] and r["sessions_opened"] == 2, r
+    assert r["audio_kinds"] == ["SpeechOutputAudioRawFrame"], r["audio_kinds"]
+    assert r["turns"][0]["latency_s"] is not None, r
+    assert r["frames"] > r["frames_before_loss"] + 2 * r["engine"]["fps"], r
+    assert wait(lambda: status(served)["active"] == 0, 10), status(served)
+
+
+def test_a_server_that_does_not_answer_is_an_error_frame_and_the_voice_goes_on(tmp_path):
+    """No server at the URL (no namespace needed): one ErrorFrame saying so, at once; the
+    bot's speech passes through as it came."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port = sock.getsockname()[1]  # closed again below: nothing listens there
+    c = clip(1.0, 64, np.random.default_rng(SEED))
+    sf.write(tmp_path / "speech.wav", c.audio, c.sample_rate)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/pipecat_turns.py"), "--url",
+                        f"http://127.0.0.1:{port}/", "--speech", str(tmp_path / "speech.wav"),
+                        "--lead-s", "0", "--tail-s", "0.2", "--quiet"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert time.monotonic() - t0 < 60
+    assert len(got["errors"]) == 1 and "does not answer" in got["errors"][0], got
+    assert got["frames"] == 0 and got["audio_kinds"] == ["TTSAudioRawFrame"], got
+    assert got["audio_s"] >= 0.99, got  # the second of speech, whole
+
+
 def test_the_example_bot_streams_the_character_to_a_visitor(served):
     """examples/pipecat_bot.py on SmallWebRTCTransport, an aiortc peer as the visitor
     speaking into it: the visitor receives the character's video and voice."""

@@ -19,8 +19,9 @@ When the server refuses the session (busy, full, draining, a bad image) or the s
 an `ErrorFrame` carries the server's own sentence upstream; the service never waits without
 a bound. A lost connection (or a session the server ended) is opened again on `Reconnect`'s
 policy (3 tries, 0.5 s, 1 s, 2 s apart by default), then given up with an `ErrorFrame`.
-While no session is open the bot's speech passes through unchanged: the user still hears
-the bot, without the character.
+While the service reconnects, the bot's speech is held and then given to the new session;
+while no session is open otherwise (a refusal, or the policy given up) the bot's speech
+passes through unchanged: the user still hears the bot, without the character.
 
 Metrics: time to first byte, from the first TTS audio of a turn to the first frame of the
 character speaking it leaving the service (`can_generate_metrics`)."""
@@ -46,6 +47,9 @@ from .client import CharacterClient, EngineInfo, Refused, Unreachable
 # a received audio frame louder than this (RMS, of full scale) carries speech: the end of a
 # turn's time to first byte (Opus decodes silence to exact zeros or near them)
 VOICED_RMS = 10 ** (-50 / 20)
+# the bot's speech held while a lost session is opened again (given to the new one, or
+# passed on if none opens): more than the default policy's 3.5 s of waiting in TTS frames
+MAX_HELD_FRAMES = 2000
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,8 @@ class CharacterVideoService(AIService):
         self._ending = False  # EndFrame or CancelFrame seen
         self._turn_waiting = False  # TTS audio of a turn sent, its first frame not yet out
         self._rejoin: asyncio.Task | None = None
+        self.sessions_opened = 0  # sessions this service has opened (reconnections count)
+        self._held: list[TTSAudioRawFrame] = []  # the bot's speech while reconnecting
 
     @property
     def engine(self) -> EngineInfo | None:
@@ -146,14 +152,19 @@ class CharacterVideoService(AIService):
             await self.push_error(error_msg=str(e), exception=e)
             return False
         self._client, self._open = client, True
+        self.sessions_opened += 1
         logger.info(f"{self}: session open on {self._url} ({self._info.preset}, "
                     f"{self._info.width}x{self._info.height} at {self._info.fps} fps)")
         return True
 
+    @property
+    def _rejoining(self) -> bool:
+        return self._rejoin is not None and not self._rejoin.done()
+
     def _lost(self, why: str) -> None:
         """The session ended without us: open another on the reconnect policy."""
         self._open = False
-        if self._ending or (self._rejoin is not None and not self._rejoin.done()):
+        if self._ending or self._rejoining:
             return
         logger.warning(f"{self}: {why}")
         self._rejoin = self.create_task(self._rejoin_after(why))
@@ -174,9 +185,17 @@ class CharacterVideoService(AIService):
                 why = str(e)
                 continue
             self._client, self._open = client, True
+            self.sessions_opened += 1
+            logger.info(f"{self}: session open again on {self._url}")
+            held, self._held = self._held, []
+            for frame in held:  # what the bot said meanwhile, to the new session
+                self._client.say(self._resampled(frame))
             return
         await self.push_error(error_msg=f"{why}; gave up after {self._reconnect.attempts} "
                                         "reconnection attempts")
+        held, self._held = self._held, []
+        for frame in held:  # the bot's voice, without its character
+            await self.push_frame(frame)
 
     async def _end(self) -> None:
         self._ending, self._open = True, False
@@ -230,8 +249,14 @@ class CharacterVideoService(AIService):
                 await self.start_ttfb_metrics()
             self._client.say(self._resampled(frame))
             return
+        if isinstance(frame, TTSAudioRawFrame) and self._rejoining and \
+                len(self._held) < MAX_HELD_FRAMES:
+            self._held.append(frame)
+            return
         if isinstance(frame, TTSStartedFrame):
             self._turn_waiting = False
+        if isinstance(frame, InterruptionFrame):
+            self._held.clear()
         if isinstance(frame, InterruptionFrame) and self._open:
             self._turn_waiting = False
             await self.cancel_ttfb_metrics()
