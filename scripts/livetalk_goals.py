@@ -2,7 +2,7 @@
 the scripts that measure them (one JSON each, in docs/results/livetalk/): the diffusion and
 its attention kernels from scripts/livetalk_profile.py (a graphed steady chunk measured whole), the live latency,
 first frames and unpaced capacity from scripts/livetalk_latency.py (medians over its runs),
-start-up from scripts/livetalk_startup.py, the decoder alone from scripts/livetalk_decoder.py.
+start-up from scripts/bench_startup.py (its `engine` variant), the decoder alone from scripts/livetalk_decoder.py.
 
     python scripts/livetalk_goals.py --profile P.json --latency L1.json L2.json L3.json \\
         --startup S.json --decoder D.json --out docs/results/livetalk/goals_livetalk-1.3b_h200.json
@@ -46,7 +46,7 @@ def main():
     args = ap.parse_args()
     prof = json.loads(args.profile.read_text())
     runs = [json.loads(p.read_text()) for p in args.latency]
-    start = json.loads(args.startup.read_text())
+    start = json.loads(args.startup.read_text())["variants"]["engine"]
     dec = json.loads(args.decoder.read_text())["arms"][args.decoder_arm]
 
     def med(key):
@@ -65,7 +65,7 @@ def main():
         "first_frames_s": med("first_frames_s"),
         "stalls": sum(r["stalls"] for r in runs),
         "ready_s": start["ready_s"],
-        "ready_s_runs": [r["ready_s"] for r in start["runs"]],
+        "ready_s_runs": start["ready_s_runs"],
         "compiles": start["compiles"],
         "peak_allocated_mb": start["peak_allocated_mb"],
         "decoder_chunk_ms": dec["chunk_ms"],
