@@ -1,13 +1,15 @@
 """Model families: the seam a second model plugs in at.
 
 A family is a package under `charengine/` whose `FAMILY` object has the members of `Family`
-below, in five parts: Shapes (its spec type, presets and config types), Checkpoint (its
+below, in six parts: Shapes (its spec type, presets and config types), Checkpoint (its
 layout, loader and random weights), Rank (the tables it bakes for the fixed schedule, how a
 TP rank's weights are cut, the one assembly of a rank's model, cache and session through
-charengine/stepping.py), Speech (which speech each step plays) and Side (its side networks:
-audio and image encoders, decoder, text encoder, and their graphs for ONNX export). The builder and the runtime speak to a
-family only through these members, so a family is added by writing its package and naming it
-in FAMILIES; no other family's code changes. docs/ARCHITECTURE.md draws where it plugs in.
+charengine/stepping.py), Speech (which speech each step plays), Side (its side networks:
+audio and image encoders, decoder, text encoder, and their graphs for ONNX export) and Arms
+(the named configs the benchmark scripts run and compare: the waterfall and the others). The
+builder, the runtime and the scripts speak to a family only through these members, so a
+family is added by writing its package and naming it in FAMILIES; no other family's code
+changes. docs/ARCHITECTURE.md draws where it plugs in.
 """
 
 from __future__ import annotations
@@ -146,6 +148,10 @@ class Checkpoint(Protocol):
     def random_weights(self, spec, seed: int, device) -> dict:
         """A lazily made full state of the exact shapes (benchmarks, the tiny engines)."""
 
+    def bench_weights(self, spec, seed: int, device) -> dict:
+        """Random weights of the exact shapes made fast on `device` for the benchmarks at
+        full size (not random_weights' values where those are drawn on the host)."""
+
     def load_side_files(self, spec, files: dict, seed: int) -> dict:
         """The side state from the side networks' own files (BuildConfig.side_files)."""
 
@@ -247,8 +253,26 @@ class Side(Protocol):
         weights)."""
 
 
-class Family(Shapes, Checkpoint, Rank, Speech, Side, Protocol):
-    """A model family: the five parts above, each small enough to write and test on its
+class Arms(Protocol):
+    """Part 6, what the benchmarks compare: named variants of an EngineConfig of the family
+    (its `arms` module), among them the waterfall, the paper's Figure 2: the plain path
+    first, each optimization on in turn, the config as it is (`production`) last."""
+
+    def waterfall(self) -> tuple[str, ...]:
+        """The waterfall's arms in order."""
+
+    def arm_names(self) -> tuple[str, ...]:
+        """Every name `arm` takes: the waterfall's and the family's other benchmark arms."""
+
+    def arm(self, cfg, name: str):
+        """cfg as arm `name` runs it; ValueError naming the known arms for another name."""
+
+    def arm_label(self, name: str) -> str:
+        """The arm's label on a plot."""
+
+
+class Family(Shapes, Checkpoint, Rank, Speech, Side, Arms, Protocol):
+    """A model family: the six parts above, each small enough to write and test on its
     own (docs/ARCHITECTURE.md shows both families' answers side by side). The builder and
     the runtime use nothing of a family but these members."""
 
@@ -265,6 +289,9 @@ class FamilyModules:
 
     def param_shapes(self, spec) -> dict[str, tuple[int, ...]]:
         return self._module("weights").param_shapes(spec)
+
+    def bench_weights(self, spec, seed: int, device) -> dict:
+        return self.random_weights(spec, seed, device)
 
     def warm_up(self, session) -> int:
         from .stepping import warm_up
@@ -306,6 +333,18 @@ class FamilyModules:
 
     def block_linear_params(self, spec) -> int:
         return spec.block_linear_params()
+
+    def waterfall(self) -> tuple[str, ...]:
+        return self._module("arms").waterfall()
+
+    def arm_names(self) -> tuple[str, ...]:
+        return self._module("arms").arm_names()
+
+    def arm(self, cfg, name: str):
+        return self._module("arms").arm(cfg, name)
+
+    def arm_label(self, name: str) -> str:
+        return self._module("arms").label(name)
 
 
 def family(name: str) -> Family:

@@ -37,6 +37,10 @@ class StepRule(Protocol):
     def kind(self, k: int) -> dict[str, Any]:
         """Step k's static arguments (keywords of the family's step function)."""
 
+    def resets_at(self, cache, k: int) -> bool:
+        """Whether step k's positions start again from the reset (the positions of a long
+        session stay bounded: a benchmark counts these)."""
+
     def graph_key(self, cache, kind: dict) -> Hashable | None:
         """The graph a step of `kind` replays (None: it runs eagerly)."""
 

@@ -12,7 +12,7 @@ within one sitting.
 The measurements (`SETS`): on a GPU the characters-57b TP-3 rank-0 slice's production step
 (scripts/bench_session.py, in memory) and livetalk-1.3b's production chunk through an engine
 each tree builds (charbuild --target h200-livetalk --random-weights, then
-scripts/livetalk_long_session.py --engine); on a CPU the tiny presets the same way. A tree
+scripts/long_session.py --engine); on a CPU the tiny presets the same way. A tree
 whose packages sit in top-level folders (builder/, runtime/, plugins/ mapped into
 charengine by its pyproject) is imported through links to them.
 """
@@ -42,8 +42,8 @@ SETS = {
                    "--profile-steps", "0", "--profile-graph-steps", "0", "--out", "{dir}"],
             "diffusion_p50_ms"),
         "livetalk-1.3b chunk through the engine (ms)": (
-            "h200-livetalk", ["scripts/livetalk_long_session.py", "--engine", "{engine}",
-                              "--chunks", "48", "--out", "{dir}/run.json"],
+            "h200-livetalk", ["scripts/long_session.py", "--engine", "{engine}",
+                              "--steps", "48", "--out", "{dir}/run.json"],
             "diffusion_p50_ms"),
     },
     "cpu": {
@@ -54,8 +54,8 @@ SETS = {
                    "--out", "{dir}"],
             "diffusion_p50_ms"),
         "tiny-livetalk chunk through the engine, CPU (ms)": (
-            "cpu-tiny-livetalk", ["scripts/livetalk_long_session.py", "--engine", "{engine}",
-                                  "--chunks", "8", "--out", "{dir}/run.json"],
+            "cpu-tiny-livetalk", ["scripts/long_session.py", "--engine", "{engine}",
+                                  "--steps", "8", "--out", "{dir}/run.json"],
             "diffusion_p50_ms"),
     },
 }
@@ -92,12 +92,21 @@ def build(tree: Path, site: Path, target: str, out: Path) -> Path:
     return out
 
 
+# a script a tree has under an earlier name (a base commit from before the benchmark pairs
+# became one script each): its name and flags there
+EARLIER = {"scripts/long_session.py": ("scripts/livetalk_long_session.py",
+                                        {"--steps": "--chunks"})}
+
+
 def run_once(tree: Path, site: Path, cmd: list[str], engine: Path | None, key: str,
              scratch: Path) -> float:
     if scratch.exists():
         shutil.rmtree(scratch)
     scratch.mkdir(parents=True)
     argv = [a.format(dir=scratch, engine=engine or "") for a in cmd]
+    if not (tree / argv[0]).exists() and argv[0] in EARLIER:
+        name, flags = EARLIER[argv[0]]
+        argv = [name, *(flags.get(a, a) for a in argv[1:])]
     r = subprocess.run([sys.executable, str(tree / argv[0]), *argv[1:]], cwd=site,
                        env=env_for(site), capture_output=True, text=True)
     if r.returncode:

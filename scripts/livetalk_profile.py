@@ -1,9 +1,9 @@
 """Where a steady LiveTalk chunk's GPU time goes: the chunk as charrun's rank runs it (CUDA
-graphs replayed), a preset with random weights and an arm as scripts/livetalk_long_session.py
+graphs replayed), a preset with random weights and an arm as scripts/long_session.py
 takes them, profiled over several chunks with the window full; each kernel's time per chunk,
 grouped (GEMMs, attention, quantization, norms and the rest), beside the chunk's GEMM and
 attention floors at the GPU's dense peaks. Each timed chunk's inputs are drawn and on the
-device before its timing starts, as livetalk_long_session.py times a chunk (drawn inside
+device before its timing starts, as long_session.py times a chunk (drawn inside
 it, their host-side draw left the GPU idle for about 4 ms of each chunk's figure:
 docs/PERFORMANCE_LOG.md).
 
@@ -153,7 +153,7 @@ def main():
 
     def inputs():
         """A chunk's noise and audio features, on the device before the chunk is timed (as
-        livetalk_long_session.py times it): their host-side draw is not diffusion."""
+        long_session.py times it): their host-side draw is not diffusion."""
         return (torch.randn(shapes.noise_shape, generator=g).to(dev),
                 torch.randn(shapes.features, generator=g).to(dev))
 

@@ -5,7 +5,7 @@ families: a refactor that must not change behaviour leaves every digest as it wa
   alone, the epilogue and numerics variants at TP-1 in this process, and five arms at TP-3
   as real processes over gloo;
 - livetalk (`tiny-livetalk`): the baseline, every cumulative switch arm, every switch off
-  alone, every waterfall arm (scripts/livetalk_waterfall.py's), every numerics arm
+  alone, every waterfall arm (scripts/bench_waterfall.py's), every numerics arm
   (scripts/livetalk_numerics.py's) and the benchmark arms, at TP-1 in this process; and the
   frames of a render through the engines `cpu-tiny-livetalk` (in this process) and
   `cpu-tiny-livetalk-x2` (the diffusion in a process of its own over gloo).

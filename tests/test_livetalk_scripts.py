@@ -1,5 +1,6 @@
-"""The LiveTalk numerics comparison and waterfall scripts on tiny-livetalk (CPU): the JSON they
-write, and the waterfall's arms as spec.waterfall_config makes them."""
+"""The numerics comparison, waterfall and long-session scripts on the tiny presets (CPU): the
+JSON they write, the waterfall's arms as each family makes them, and a long session's drift
+between two arms."""
 
 import dataclasses
 import json
@@ -81,23 +82,45 @@ def test_numerics_compare_against_fp32(tmp_path):
 
 def test_waterfall_runs_and_summarizes(tmp_path):
     arms = [WATERFALL_PRODUCTION, WATERFALL_PLAIN]  # given out of order
-    out = script("livetalk_waterfall.py", "--preset", PRESET, "--device", "cpu", "--gpu-tag",
-                 "cpu", "--runs", 1, "--chunks", 2, "--arms", ",".join(arms), "--out", tmp_path)
+    out = script("bench_waterfall.py", "--preset", PRESET, "--device", "cpu", "--gpu-tag",
+                 "cpu", "--runs", 1, "--steps", 2, "--arms", ",".join(arms), "--out", tmp_path)
     assert out.count("diffusion p50") == 2 * len(arms)  # a line per run, one per arm
     key = f"{PRESET}_tp1_cpu"
     for arm in arms:
         run = json.loads((tmp_path / f"bench_{PRESET}_tp1_cpu_{arm}_1.json").read_text())
-        assert run["arm"] == arm and run["steady_chunks"] == 2 and run["date"]
+        assert run["arm"] == arm and run["steady_steps"] == 2 and run["date"]
         assert 0 < run["diffusion_p50_ms"] <= run["diffusion_p90_ms"] < math.inf
         assert run["memory_peak_mb"] > 0
     summary_path = tmp_path / f"summary_{key}.json"
     summary = json.loads(summary_path.read_text())
     assert summary["order"] == list(summary["arms"]) == [WATERFALL_PLAIN, WATERFALL_PRODUCTION]
-    assert summary["chunk_budget_ms"] == 750.0  # 12 frames at 16 fps
+    assert summary["step_budget_ms"] == 750.0  # 12 frames at 16 fps
     assert all(s["runs"] == 1 for s in summary["arms"].values())
     assert not summary["arms"][WATERFALL_PLAIN]["switches_on"]
     assert summary["arms"][WATERFALL_PRODUCTION]["switches_on"] == list(LiveTalkSwitches.ORDER)
     summary_path.unlink()
-    script("livetalk_waterfall.py", "--preset", PRESET, "--gpu-tag", "cpu", "--summarize-only",
+    script("bench_waterfall.py", "--preset", PRESET, "--gpu-tag", "cpu", "--summarize-only",
            "--out", tmp_path)
     assert json.loads(summary_path.read_text())["arms"] == summary["arms"]
+
+
+def test_the_characters_waterfall_and_a_long_sessions_drift(tmp_path):
+    """The same scripts on the characters family: its waterfall's arms from the family (the
+    baseline first, production last), and the write-time path's drift from the plain one in
+    fp32 over a session crossing a position reset, within the tests' fp32 bound."""
+    from charengine.family import family
+
+    fam = family("characters")
+    assert fam.waterfall()[0] == "baseline" and fam.waterfall()[-1] == "production"
+    out = script("bench_waterfall.py", "--preset", "tiny", "--device", "cpu", "--gpu-tag",
+                 "cpu", "--runs", 1, "--steps", 3, "--arms", "production,baseline",
+                 "--out", tmp_path)
+    assert out.count("diffusion p50") == 4
+    summary = json.loads((tmp_path / "summary_tiny_tp1_cpu.json").read_text())
+    assert summary["order"] == ["baseline", "production"] and summary["family"] == "characters"
+    assert summary["step_budget_ms"] == 1000 * 4 / 24
+    script("long_session.py", "--preset", "tiny", "--steps", 44, "--compare",
+           "fp32_plain:fp32", "--out", tmp_path / "long.json")
+    d = json.loads((tmp_path / "long.json").read_text())
+    assert d["resets"] == 1 and d["steady_steps"] == 44  # step 42 resets
+    assert 0 < d["drift"]["fp32_plain:fp32"]["max"] < 1e-5

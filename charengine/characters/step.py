@@ -72,6 +72,9 @@ class FrameSteps:
         return {"reset": self.rotates and k > 0 and k % self.period == 0, "masked": masked,
                 "filled": k + 1 if masked else None}
 
+    def resets_at(self, cache: KVCache, k: int) -> bool:
+        return k > 0 and k % self.period == 0
+
     def steady(self, cache: KVCache, kind: dict) -> bool:
         return not kind["masked"] and (cache.quantized or not self.fp8_kv)
 

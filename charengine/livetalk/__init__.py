@@ -93,6 +93,11 @@ class LiveTalk(FamilyModules):
 
         return random_weights(spec, seed, device=device)
 
+    def bench_weights(self, spec, seed: int, device="cpu"):
+        from .weights import device_random_weights
+
+        return device_random_weights(spec, seed, device)
+
     def bake_tables(self, cfg, state):
         from .rank import bake_tables
 

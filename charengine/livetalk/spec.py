@@ -342,7 +342,7 @@ def arm_config(cfg, arm: str):
                        numerics=Numerics(dtype="bfloat16", fp8_gemm=False, fp8_attention=False))
 
 
-# the waterfall's arms (scripts/livetalk_waterfall.py): the plain path in bf16 without FP8,
+# the waterfall's arms (scripts/bench_waterfall.py, through arms.py): the plain path in bf16 without FP8,
 # then each switch of LiveTalkSwitches.ORDER on in turn, FP8 GEMMs (promoted sums) turned on
 # right before the FP8 cache (which turns FP8 attention on with it: the cache needs it), and
 # last the preset as it is (fast accumulation with it)

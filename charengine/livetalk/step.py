@@ -78,6 +78,9 @@ class ChunkSteps:
     def kind(self, k: int) -> dict:
         return {"c": k}
 
+    def resets_at(self, cache: ChunkCache, k: int) -> bool:
+        return cache.is_reset(k)
+
     def steady(self, cache: ChunkCache, c: int) -> bool:
         """Chunk c has the steady shape: the window is full and the cache in its final
         precision."""
