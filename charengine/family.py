@@ -270,6 +270,17 @@ class Arms(Protocol):
     def arm_label(self, name: str) -> str:
         """The arm's label on a plot."""
 
+    def numerics_ladder(self) -> tuple[str, ...]:
+        """The numerics comparison's arms in order: the fp32 reference (or the family's own
+        reference arm) first, each change of numerics after it, the config again last (the
+        run-to-run floor)."""
+
+    def numerics_weights(self, cfg, seed: int, device, rank: int):
+        """The weights every numerics arm of TP rank `rank` runs (made once on `device`)."""
+
+    def numerics_session(self, cfg, name: str, weights, device, rank: int):
+        """An eager session of numerics arm `name` of cfg over `weights`."""
+
 
 class Family(Shapes, Checkpoint, Rank, Speech, Side, Arms, Protocol):
     """A model family: the six parts above, each small enough to write and test on its
@@ -345,6 +356,15 @@ class FamilyModules:
 
     def arm_label(self, name: str) -> str:
         return self._module("arms").label(name)
+
+    def numerics_ladder(self) -> tuple[str, ...]:
+        return self._module("arms").numerics_ladder()
+
+    def numerics_weights(self, cfg, seed: int, device, rank: int):
+        return self._module("arms").numerics_weights(cfg, seed, device, rank)
+
+    def numerics_session(self, cfg, name: str, weights, device, rank: int):
+        return self._module("arms").numerics_session(cfg, name, weights, device, rank)
 
 
 def family(name: str) -> Family:

@@ -6,7 +6,7 @@ families: a refactor that must not change behaviour leaves every digest as it wa
   as real processes over gloo;
 - livetalk (`tiny-livetalk`): the baseline, every cumulative switch arm, every switch off
   alone, every waterfall arm (scripts/bench_waterfall.py's), every numerics arm
-  (scripts/livetalk_numerics.py's) and the benchmark arms, at TP-1 in this process; and the
+  (scripts/numerics_compare.py's) and the benchmark arms, at TP-1 in this process; and the
   frames of a render through the engines `cpu-tiny-livetalk` (in this process) and
   `cpu-tiny-livetalk-x2` (the diffusion in a process of its own over gloo).
 
@@ -77,8 +77,7 @@ TP_ARMS = ("baseline", "upto-fused_gemm_allreduce", "epilogues", "fp32", "no-fp8
 def livetalk_arms() -> dict[str, EngineConfig]:
     """name -> the tiny-livetalk config of each LiveTalk arm (see the module's doc)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from livetalk_numerics import ARMS as NUMERICS_ARMS, REFERENCE, arm_cfg
-
+    from charengine.livetalk.arms import NUMERICS, NUMERICS_REFERENCE, numerics_config
     from charengine.livetalk.spec import (ARMS as BENCH_ARMS, TINY, LiveTalkSwitches,
                                           arm_config, waterfall_arms, waterfall_config)
 
@@ -97,9 +96,9 @@ def livetalk_arms() -> dict[str, EngineConfig]:
             continue
     for arm in waterfall_arms():
         out[f"waterfall-{arm}"] = waterfall_config(base, arm)
-    for arm in NUMERICS_ARMS:
-        if arm != REFERENCE:
-            out[f"numerics-{arm}"] = arm_cfg(base, arm)
+    for arm in NUMERICS:
+        if arm != NUMERICS_REFERENCE:
+            out[f"numerics-{arm}"] = numerics_config(base, arm)
     for arm in BENCH_ARMS:
         out[f"bench-{arm}"] = arm_config(base, arm)
     return out

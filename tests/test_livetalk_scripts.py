@@ -57,16 +57,15 @@ def test_waterfall_arms_are_cumulative_and_end_at_the_preset():
 
 def test_numerics_compare_against_fp32(tmp_path):
     chunks, exclude = 8, 2  # the first position reset is chunk 7
-    out = script("livetalk_numerics.py", "--preset", PRESET, "--device", "cpu", "--gpu-tag",
-                 "cpu", "--chunks", chunks, "--exclude", exclude, "--out", tmp_path)
-    d = json.loads((tmp_path / f"numerics_{PRESET}_cpu_vs-fp32.json").read_text())
-    assert "beside the bf16 plain path's" in out
+    script("numerics_compare.py", "--preset", PRESET, "--device", "cpu", "--gpu-tag", "cpu",
+           "--steps", chunks, "--exclude", exclude, "--out", tmp_path)
+    d = json.loads((tmp_path / f"numerics_{PRESET}_tp1_cpu_vs-fp32_plain.json").read_text())
     assert d["order"] == ["fp32_plain", "bf16_plain", "bf16", "fp8_gemm", "fp8_kv", "fused",
                           "production", "production_again"]
     assert list(d["arms"]) == d["order"]
-    assert d["reset_chunks"] and all(exclude <= c < chunks for c in d["reset_chunks"])
+    assert d["reset_steps"] and all(exclude <= c < chunks for c in d["reset_steps"])
     for name, arm in d["arms"].items():
-        err = arm["rel_l2_per_chunk"]
+        err = arm["rel_l2_per_step"]
         assert len(err) == chunks and all(math.isfinite(e) for e in err), name
         assert arm["rel_l2_median"] <= arm["rel_l2_max"] == max(err[exclude:])
         if name == "fp32_plain":
@@ -75,7 +74,7 @@ def test_numerics_compare_against_fp32(tmp_path):
             assert 0.0 < arm["rel_l2_median"] < 0.1, name
     a = d["arms"]
     # the emulated FP8 on the CPU runs the same every time; FP8 moves more than bf16 alone
-    assert a["production_again"]["rel_l2_per_chunk"] == a["production"]["rel_l2_per_chunk"]
+    assert a["production_again"]["rel_l2_per_step"] == a["production"]["rel_l2_per_step"]
     assert a["production"]["rel_l2_median"] > a["bf16_plain"]["rel_l2_median"]
     assert a["production"]["numerics"]["fast_accum"] and not a["fused"]["numerics"]["fast_accum"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import Switches
+from .config import LINEARS, Switches
 
 PRODUCTION, BASELINE = "production", "baseline"
 NOT_A_BAR = ("fused_gemm_allreduce",)  # needs a TP group of GPUs
@@ -61,3 +61,80 @@ def arm(cfg, name: str):
 
 def label(name: str) -> str:
     return LABELS.get(name, f"+{name}")
+
+
+# The numerics comparison (scripts/numerics_compare.py): the same session (weights, noise,
+# audio, reference, prompt; eager steps) under each arm, compared with a reference arm.
+#   fp32                the same weights (the FP8 ones dequantized) in fp32, no FP8 anywhere,
+#                       the plain path of every kernel switch: the model the others approximate
+#   default             the config as it is
+#   precise             FP8 GEMMs promoting their partial sums to fp32
+#   fast_accum          without, on both block linears
+#   fast_accum_w_in     on the input projection only
+#   bf16_gemm           the block linears in bf16 over the dequantized FP8 weights
+#   attention_rounding  the FP8 attention kernel's other softmax evaluation (only roundings
+#                       move): how far a change of roundings alone moves the latents
+#   default_again       the config again: the comparison's floor (run to run)
+NUMERICS = ("fp32", "default", "precise", "fast_accum", "fast_accum_w_in", "bf16_gemm",
+            "attention_rounding", "default_again")
+NUMERICS_REFERENCE = "default"  # the arms' default reference; fp32 the model's
+PLAIN_UPTO = "conditioning_cache"  # the fp32 arm's switches: up to the kernels, cache in fp32
+NUMERICS_VARIANTS = {
+    "precise": {"fast_accum": False},
+    "fast_accum": {"fast_accum": True, "fast_accum_linears": LINEARS},
+    "fast_accum_w_in": {"fast_accum": True, "fast_accum_linears": ("w_in",)},
+    "bf16_gemm": {"fp8_gemm": False},
+}
+
+
+def numerics_ladder() -> tuple[str, ...]:
+    return NUMERICS
+
+
+def numerics_weights(cfg, seed: int, device, rank: int) -> dict:
+    """The rank's state made on the device and its tables (the AdaLN weights, 10.6B
+    parameters at characters-57b, only to bake them)."""
+    import torch
+
+    from .model import bake_adaln
+    from .spec import RankShape
+    from .weights import random_rank_state
+
+    shape = RankShape.of(cfg.model, cfg.tp, rank)
+    state, adaln_w = random_rank_state(cfg.model, shape, seed, device,
+                                       getattr(torch, cfg.numerics.dtype),
+                                       keep_adaln_weights=False)
+    return {"state": state, "tables": bake_adaln(cfg, adaln_w), "seed": seed, "shape": shape}
+
+
+def numerics_session(cfg, name: str, weights: dict, device, rank: int):
+    """An eager session of numerics arm `name` over `weights` (numerics_weights'), TP rank
+    `rank` alone on the device."""
+    import torch
+
+    from ..assemble import rank_session
+    from ..config import Numerics
+    from ..mapping import Mapping
+    from ..plugins.attention import AttentionTiles
+    from .model import bake_adaln
+    from .weights import random_rank_state
+
+    if name not in NUMERICS:
+        raise ValueError(f"unknown numerics arm {name!r}; known: {', '.join(NUMERICS)}")
+    mapping = Mapping(cfg.tp, rank, str(device), str(device), alone=True)
+    if name == "fp32":
+        fp32 = Numerics(dtype="float32", fp8_gemm=False, fp8_attention=False)
+        cfg32 = cfg.replace(numerics=fp32, switches=dataclasses.replace(
+            Switches.cumulative(PLAIN_UPTO), fp8_kv=False))
+        state, adaln_w = random_rank_state(cfg.model, weights["shape"], weights["seed"],
+                                           device, torch.float32, keep_adaln_weights=False)
+        return rank_session(cfg32, state, mapping, tables=bake_adaln(cfg32, adaln_w),
+                            graphed=False)
+    tiles = None
+    if name == "attention_rounding":
+        tiles = AttentionTiles(fma=not AttentionTiles().fma)
+    elif name in NUMERICS_VARIANTS:
+        cfg = cfg.replace(numerics=dataclasses.replace(cfg.numerics,
+                                                       **NUMERICS_VARIANTS[name]))
+    return rank_session(cfg, weights["state"], mapping, tables=weights["tables"],
+                        graphed=False, attention_tiles=tiles)
