@@ -202,3 +202,60 @@ def test_close_ends_every_rank_and_leaves_no_temporary_directory(engines):
     assert all(p.exitcode is not None for p in procs)
     left = set(os.listdir(tempfile.gettempdir())) - before
     assert not [n for n in left if n.startswith(("charengine-", "pymp-"))], left
+
+
+def test_lanes_on_the_rank_group_step_in_turns_as_each_runs_alone(engines):
+    """--sessions N on a TP engine: every rank holds a session per lane over its one model;
+    three live pipelines (and a fourth fed NaN speech) step at once through the same rank
+    processes, one exchange at a time, and each lane's frames equal its frames run alone on
+    the group, bit for bit."""
+    import threading
+
+    worker = DistributedWorker(Engine.load(engines[1]), sessions=4, over_capacity=True)
+    spec, steps = worker.spec, 6
+
+    def inputs(i):
+        g = torch.Generator().manual_seed(20 + i)
+        return torch.rand(3, 64, 64, generator=g), torch.randn(16000 * 2, generator=g) * 0.1
+
+    def live(lane, image, speech, seed):
+        out = []
+
+        def encode_audio(i):
+            return lane.encode_window(lane.family.audio_window(spec, speech, i), i, timed=True)
+
+        lane.start(image, "")
+        lane.pipeline(encode_audio, seed).run(steps, lambda i, f, *meta: out.append(f.clone()))
+        return out
+
+    try:
+        assert len(worker.lanes) == 4 and worker.startup["sessions"] == 4
+        together = {}
+
+        def go(i):
+            image, speech = inputs(i)
+            if i == 3:
+                speech = torch.full_like(speech, float("nan"))
+            together[i] = live(worker.lanes[i], image, speech, seed=i)
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert sorted(together) == [0, 1, 2, 3] and worker.turns.taken >= 4 * steps
+        for i in range(3):
+            alone = live(worker.lanes[0], *inputs(i), seed=i)
+            assert len(alone) == len(together[i]) == steps
+            assert all(torch.equal(a, b) for a, b in zip(alone, together[i])), i
+        assert not torch.equal(together[0][-1], together[1][-1])
+    finally:
+        worker.close()
+
+
+def test_a_group_that_holds_fewer_sessions_refuses_more_in_one_line(engines):
+    from charengine.runtime.engine import EngineError
+
+    with pytest.raises(EngineError, match=r"--sessions 64: this machine holds \d+ real-time "
+                                          r"session"):
+        DistributedWorker(Engine.load(engines[1]), sessions=64)

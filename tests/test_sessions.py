@@ -1,6 +1,7 @@
 """charrun --serve --sessions N with real WebRTC peers (aiortc) in a network namespace of the
-test's own, on the tiny engines of both families: three sessions stream at once from one process and one copy
-of the engine; the fourth offer is answered 503 with Retry-After and /readyz reads busy; a
+test's own, on the tiny engines of both families and a TP-2 engine (its sessions through the
+same rank processes): three sessions stream at once from one process and one copy of the
+engine; the fourth offer is answered 503 with Retry-After and /readyz reads busy; a
 session's id acts on that session only; stopping one leaves the others streaming and frees
 its place."""
 
@@ -88,7 +89,7 @@ def wait(pred, most_s: float) -> bool:
     return True
 
 
-@pytest.mark.parametrize("target", ["cpu-tiny", "cpu-tiny-livetalk"])
+@pytest.mark.parametrize("target", ["cpu-tiny", "cpu-tiny-livetalk", "cpu-tiny-tp2"])
 def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tmp_path, target):
     engine = build_target(tmp_path, target)
     images = []

@@ -296,7 +296,7 @@ def image_fit_of(cfg: RunConfig) -> ImageFit:
 
 
 def serve_live(cfg: RunConfig, image_fit: ImageFit, access: Access):
-    """--serve or --livekit: one engine, one session at a time, until SIGINT or SIGTERM. The
+    """--serve or --livekit: one engine, --sessions at a time, until SIGINT or SIGTERM. The
     probe server answers from before the engine loads (/readyz: loading, then ready once a
     session can start); SIGTERM drains within --grace-period (runtime/lifecycle.py), then
     every rank process stops and charrun exits 0."""

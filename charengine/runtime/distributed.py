@@ -32,6 +32,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import traceback
 
@@ -42,13 +43,20 @@ import torch.distributed as dist
 
 from charengine.family import family_of
 from charengine.mapping import Mapping
-from charengine.timing import DeviceSpan
+from charengine.timing import DeviceSpan, median
 
 from .engine import Engine, EngineError
+from .lanes import CAPACITY_STEPS, Capacity, Lane, Turns
 from .pipeline import Pipeline, StepTimes, Timed
+from .run_config import AUTO
 from .worker import load_rank
 
-CMD_STEPS, CMD_STOP, CMD_STREAM = 1, 2, 3
+# the rank processes' commands, broadcast on the control group as HEADER longs (op, lane,
+# steps, seed): a render of `steps` on a lane (CMD_STEPS), the group's end (CMD_STOP), a live
+# session opened on a lane (CMD_START) and one of its steps (CMD_STEP), the lanes served
+# (CMD_LANES: `steps` of them)
+CMD_STEPS, CMD_STOP, CMD_START, CMD_STEP, CMD_LANES = 1, 2, 3, 4, 5
+HEADER = 4
 
 
 class RankFailure(RuntimeError):
@@ -156,35 +164,41 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
             family_of(cfg).warm_up(session)  # in step with the other TP ranks: the same collectives
         store.set(_stage_key("ready", rank), "1")
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=ready_timeout_s))
-        times = []
+        sessions = [session]  # a lane's session each (CMD_LANES adds the others)
+        noise_of: list = [None]
         with torch.inference_mode():
             while True:
-                cmd = torch.zeros(3, dtype=torch.long)
+                cmd = torch.zeros(HEADER, dtype=torch.long)
                 dist.broadcast(cmd, 0, group=control)  # idle: no timeout
-                if cmd[0] == CMD_STOP:
+                op, lane, steps, seed = (int(x) for x in cmd)
+                if op == CMD_STOP:
                     break
-                steps, seed = int(cmd[1]), int(cmd[2])
-                ref = torch.empty(shapes.reference)
-                prompt = torch.empty(shapes.prompt)
-                dist.broadcast(ref, 0)
-                dist.broadcast(prompt, 0)
-                session.start(ref.to(device), prompt.to(device))
-                g = torch.Generator().manual_seed(seed)  # the same noise on every rank
-                pending = []
-                times.clear()
-                i = 0
-                while cmd[0] == CMD_STEPS and i < steps or cmd[0] == CMD_STREAM:
-                    if cmd[0] == CMD_STREAM:  # a live session: a go / end flag per step
-                        go = torch.zeros(1, dtype=torch.long)
-                        dist.broadcast(go, 0)
-                        if go[0] == 0:
-                            break
+                if op == CMD_LANES:  # every lane's session over the one model, warmed up
+                    while len(sessions) < steps:
+                        sessions.append(session.sibling())
+                        noise_of.append(None)
+                        if device.type == "cuda":  # in step with the other TP ranks
+                            family_of(cfg).warm_up(sessions[-1])
+                    continue
+                if op in (CMD_START, CMD_STEPS):  # a session opens on the lane
+                    ref = torch.empty(shapes.reference)
+                    prompt = torch.empty(shapes.prompt)
+                    dist.broadcast(ref, 0)
+                    dist.broadcast(prompt, 0)
+                    sessions[lane].start(ref.to(device), prompt.to(device))
+                    noise_of[lane] = torch.Generator().manual_seed(seed)  # the same on every rank
+                if op == CMD_START:
+                    continue
+                # CMD_STEP: one step of a live session; CMD_STEPS: a render's `steps`, each
+                # latent sent without waiting while the next step's features arrive
+                pending, times = [], []
+                for _ in range(1 if op == CMD_STEP else steps):
                     feats = torch.empty(shapes.features)
                     dist.broadcast(feats, 0)
                     t0 = time.monotonic()
-                    noise = torch.randn(shapes.noise_shape, generator=g).to(device)
+                    noise = torch.randn(shapes.noise_shape, generator=noise_of[lane]).to(device)
                     span = DeviceSpan(device)
-                    latent = session.step(noise, feats.to(device))
+                    latent = sessions[lane].step(noise, feats.to(device))
                     span.end()
                     latent = latent.cpu()  # waits for the step: its span is read at once
                     busy = torch.tensor([span.seconds(wait=True)], dtype=torch.float64)
@@ -193,12 +207,11 @@ def _tp_rank_main(rank: int, world: int, port: int, engine_dir: str, timeout_s: 
                         for work in pending:
                             work.wait()
                         pending = [dist.isend(latent.contiguous(), 0)]
-                        if cmd[0] == CMD_STREAM:  # a live step's busy time rides with it
+                        if op == CMD_STEP:  # a live step's busy time rides with it
                             pending.append(dist.isend(busy, 0))
-                    i += 1
                 for work in pending:
                     work.wait()
-                if rank == 0 and cmd[0] == CMD_STEPS:
+                if rank == 0 and op == CMD_STEPS:
                     dist.send(torch.tensor(times, dtype=torch.float64).reshape(-1, 3), 0)
         if kernels is not None:
             kernels.close()
@@ -239,10 +252,14 @@ class DistributedWorker:
     Same interface as Worker (start, run) so render() and charrun use either."""
 
     def __init__(self, engine: Engine, timeout_s: float = 60.0, log_dir: str | None = None,
-                 ready_timeout_s: float = 600.0, stop_grace_s: float = 1.5):
+                 ready_timeout_s: float = 600.0, stop_grace_s: float = 1.5,
+                 sessions: int | str = 1, over_capacity: bool = False):
         """`timeout_s` bounds every hand-off in a session (a hung rank); `ready_timeout_s`
         bounds the ranks' start: weights, kernels, warm-up; `stop_grace_s` is how long
-        close() lets the ranks exit before it kills them."""
+        close() lets the ranks exit before it kills them. `sessions`: the lanes served at
+        once (every rank holds a session per lane over its one model), measured against
+        what the group holds in real time as Worker does (`over_capacity` serves more)."""
+        t0 = time.perf_counter()
         engine.verified()
         self.engine, self.cfg, self.spec = engine, engine.config, engine.config.model
         self.target = engine.target  # what the page and /status name
@@ -263,12 +280,32 @@ class DistributedWorker:
         self.ctx: _Ranks | None = None
         self.store = None
         self.control = None
-        self.pending_start = None
+        self.last_failure: str | None = None
+        self.group_lock = threading.RLock()  # a launch or a teardown at a time
+        self.side_lock = threading.RLock()  # one session's call on the side networks at a time
+        self.turns = Turns()  # one exchange with the ranks at a time, earliest deadline first
+        self.lanes = [RemoteLane(self, 0, self.side.decoder)]
+        self.capacity: Capacity | None = None
         try:
             self._launch()
+            if sessions != 1:
+                self.capacity = self.measure_capacity()
+                n = self.capacity.sessions if sessions == AUTO else sessions
+                if n > self.capacity.sessions and not over_capacity:
+                    raise EngineError(f"--sessions {n}: {self.capacity.describe()}; give "
+                                      f"--sessions {max(1, self.capacity.sessions)} or fewer, "
+                                      f"or --sessions {AUTO}")
+                self.lanes += [RemoteLane(self, i, self.family.session_decoder(self.side))
+                               for i in range(1, max(1, n))]
+                self._serve_lanes()
         except BaseException:
-            self._remove_log_dir()
+            self.close()
             raise
+        # the ranks load, warm up and capture their graphs in their own processes: the whole
+        # start is the load here
+        self.startup = {"load_s": time.perf_counter() - t0, "warm_up_s": 0.0,
+                        "warm_up_steps": 0, "sessions": len(self.lanes),
+                        "capacity": self.capacity.to_dict() if self.capacity else None}
 
     # ---- the group ------------------------------------------------------------------
     def _launch(self) -> None:
@@ -319,7 +356,16 @@ class DistributedWorker:
     def _failure(self, e: BaseException, waited_s: float | None = None) -> RankFailure:
         """Tear the group down after a fault; describe it in one line (with the last line of
         a rank's own error, when it wrote one). `waited_s`: the start-up's timeout, when the
-        fault came while the ranks were getting ready."""
+        fault came while the ranks were getting ready. Every lane's session ends with the
+        group: the first to see the fault names it, the others say so."""
+        with self.group_lock:
+            if self.ctx is None:
+                return RankFailure(f"session failed: {self.last_failure or 'the ranks stopped'}")
+            failure = self._teardown(e, waited_s)
+            self.last_failure = str(failure).removeprefix("session failed: ")
+            return failure
+
+    def _teardown(self, e: BaseException, waited_s: float | None) -> RankFailure:
         procs = self.ctx.processes
         if waited_s is not None and isinstance(e, (RuntimeError, TimeoutError)):
             settle = time.monotonic() + FAULT_SETTLE_S  # a rank that failed may be exiting
@@ -383,11 +429,13 @@ class DistributedWorker:
 
     def ensure_ranks(self) -> None:
         """Before a session: a fresh group where the last one ended in a fault or a rank
-        died while idle."""
-        if self.ctx is not None and self.ctx.dead():
-            self._failure(RuntimeError("a rank died while idle"))
-        if self.ctx is None:
-            self._launch()
+        died while idle, serving every lane."""
+        with self.group_lock:
+            if self.ctx is not None and self.ctx.dead():
+                self._failure(RuntimeError("a rank died while idle"))
+            if self.ctx is None:
+                self._launch()
+                self._serve_lanes()
 
     def close(self) -> None:
         """Stop the ranks (within stop_grace_s, then they are killed) and remove their
@@ -397,8 +445,8 @@ class DistributedWorker:
             return
         try:
             if not self.ctx.dead():
-                work = dist.broadcast(torch.tensor([CMD_STOP, 0, 0]), 0, group=self.control,
-                                      async_op=True)
+                work = dist.broadcast(torch.tensor([CMD_STOP, 0, 0, 0]), 0,
+                                      group=self.control, async_op=True)
                 work.wait()
             self.ctx.stop(self.stop_grace_s)
         except RuntimeError:
@@ -408,113 +456,182 @@ class DistributedWorker:
             self._remove_log_dir()
 
     # ---- sessions -------------------------------------------------------------------
-    def on_side_stream(self, fn, *inputs, timed: bool = False):
+    def on_side_stream(self, fn, *inputs, after=None, timed: bool = False):
         """As Worker's: here the side networks have the host process's device to
-        themselves, so fn runs on its current stream (`timed`: as Timed, with the busy time
-        of fn's work)."""
-        span = DeviceSpan(self.decoder_device)
-        out = fn(*inputs)
-        return Timed(out, span.end()) if timed else out
+        themselves, so fn runs on its current stream, one session's call at a time
+        (`timed`: as Timed, with the busy time of fn's work)."""
+        with self.side_lock:
+            span = DeviceSpan(self.decoder_device)
+            out = fn(*inputs)
+            return Timed(out, span.end()) if timed else out
+
+    def _send(self, op: int, lane: int = 0, steps: int = 0, seed: int = 0) -> None:
+        """A command to every rank (the caller holds a turn: one exchange at a time)."""
+        dist.broadcast(torch.tensor([op, lane, steps, seed]), 0, group=self.control)
+
+    def _open(self, lane: int, op: int, steps: int, seed: int) -> None:
+        ref, prompt = self.lanes[lane].pending_start
+        self._send(op, lane, steps, seed)
+        dist.broadcast(ref, 0)
+        dist.broadcast(prompt, 0)
+
+    def _step(self, lane: int, feats: torch.Tensor) -> Timed:
+        """One step of the live session on `lane`: its features out, its latent and the
+        ranks' busy time back."""
+        self._send(CMD_STEP, lane)
+        dist.broadcast(feats.cpu().contiguous(), 0)
+        latent = torch.empty(self.family.step_shapes(self.spec).latent)
+        dist.recv(latent, 1)
+        busy = torch.empty(1, dtype=torch.float64)  # the step's busy time on the TP ranks
+        dist.recv(busy, 1)
+        return Timed(latent, float(busy))
+
+    def _serve_lanes(self) -> None:
+        """The ranks' sessions for every lane (after each launch of the group)."""
+        if len(self.lanes) > 1:
+            with self.turns.turn():
+                self._send(CMD_LANES, 0, len(self.lanes))
+
+    @torch.inference_mode()
+    def measure_capacity(self, steps: int = CAPACITY_STEPS, seed: int = 0) -> Capacity:
+        """As Worker.measure_capacity, over the group: a steady step's busy time on the TP
+        ranks (their own measure, sent with the latent) and the audio encode and decode on
+        this process's device, medians over `steps` steps of the first lane at its steady
+        point, against the step's budget less REALTIME_MARGIN."""
+        lane = self.lanes[0]
+        window = self.family.audio_window(
+            self.spec, torch.zeros(self.family.window_samples(self.spec)), 1)
+        lane.start(torch.zeros(3, self.spec.out_h, self.spec.out_w), "")
+        diffusion, side = [], []
+        with self.turns.turn():
+            try:
+                self._open(0, CMD_START, 0, seed)
+                for k in range(self.family.steady_from(self.cfg) + steps):
+                    feats = lane.encode_window(window, 1, timed=True)
+                    out = self._step(0, feats.value)
+                    pieces = lane.pieces(out.value) or (out.value,)
+                    decoded = [lane.decode(p, timed=True) for p in pieces]
+                    if k >= self.family.steady_from(self.cfg):
+                        diffusion.append(out.span)
+                        side.append(feats.span.seconds(wait=True) +
+                                    sum(d.span.seconds(wait=True) for d in decoded))
+            except RuntimeError as e:
+                raise self._failure(e) from None
+        lane.decoder.reset()
+        budget = self.family.step_frames(self.spec, 1) / self.spec.fps
+        # on one device (a CPU's cores, a GPU shared with the decoder) the parts add up
+        shared = self.mapping.torch_device == self.decoder_device
+        return Capacity(median(diffusion), median(side), budget, shared, self.target.name)
+
+    def start(self, image: torch.Tensor, prompt: str) -> None:
+        """New session on the first lane (what a worker of one session runs)."""
+        self.lanes[0].start(image, prompt)
+
+    def pipeline(self, encode_audio, seed: int = 0) -> Pipeline:
+        return self.lanes[0].pipeline(encode_audio, seed)
+
+    def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
+        return self.lanes[0].run(speech, steps, sink, seed)
+
+
+class RemoteLane(Lane):
+    """One session's place on the rank group: its session on every TP rank (the ranks'
+    `sessions[index]`), its decoder state here; its exchanges with the ranks take the
+    worker's turns, one at a time, the earliest deadline first."""
+
+    def __init__(self, worker: DistributedWorker, index: int, decoder):
+        self.worker, self.index, self.session, self.decoder = worker, index, None, decoder
+        self.spec, self.family, self.cfg = worker.spec, worker.family, worker.cfg
+        self.target, self.side = worker.target, worker.side
+        self.device = self.decoder_device = worker.decoder_device
+        self.pending_start = None
 
     @torch.inference_mode()
     def start(self, image: torch.Tensor, prompt: str) -> None:
-        self.ensure_ranks()
-        self.side.decoder.reset()
-        self.pending_start = (
-            self.side.image_encoder(image.to(self.decoder_device)).cpu().contiguous(),
-            self.side.text_encoder(prompt).cpu().contiguous())
+        self.worker.ensure_ranks()
+        with self.worker.side_lock:
+            self.pending_start = (
+                self.side.image_encoder(image.to(self.decoder_device)).cpu().contiguous(),
+                self.side.text_encoder(prompt).cpu().contiguous())
+        self.decoder.reset()
 
     def pipeline(self, encode_audio, seed: int = 0) -> Pipeline:
         """A live session's pipeline (runtime/live.py) over the rank group: steps are sent
-        one at a time as rank 0 encodes their audio, for as long as the pipeline runs."""
+        one at a time as this process encodes their audio, for as long as it runs."""
         return RemotePipeline(self, encode_audio, seed)
 
     @torch.inference_mode()
     def run(self, speech: torch.Tensor, steps: int, sink, seed: int = 0) -> StepTimes:
-        spec, times = self.spec, StepTimes()
+        """A render on this lane: every step sent as its audio is encoded, the latent of the
+        step before decoded while the ranks denoise the next; the lane holds the device for
+        the render."""
+        w, spec, times = self.worker, self.spec, StepTimes()
+        w.ensure_ranks()
         lat = self.family.step_shapes(spec).latent
-        ref, prompt = self.pending_start
         try:
-            dist.broadcast(torch.tensor([CMD_STEPS, steps, seed]), 0, group=self.control)
-            dist.broadcast(ref, 0)
-            dist.broadcast(prompt, 0)
-            for i in range(steps + 1):
-                if i < steps:
-                    t0 = time.monotonic()
-                    window = self.family.audio_window(spec, speech, i)
-                    feats = self.on_side_stream(lambda x: self.family.encode_audio(
-                        self.side, spec, x.to(self.decoder_device), i).cpu().contiguous(),
-                        window, timed=True)
-                    times.audio.append((t0, time.monotonic()))
-                    times.add_busy("audio", feats.span)
-                    dist.broadcast(feats.value, 0)
-                if i >= 1:
-                    latent = torch.empty(lat)
-                    dist.recv(latent, 1)
-                    t0 = time.monotonic()
-                    frames = self.on_side_stream(lambda x: self.side.decoder(
-                        x.to(self.decoder_device)).cpu(), latent, timed=True)
-                    times.decode.append((t0, time.monotonic()))
-                    times.add_busy("decode", frames.span)
-                    t0 = time.monotonic()
-                    sink(i - 1, frames.value)
-                    times.sink.append((t0, time.monotonic()))
-            diffusion = torch.empty(steps, 3, dtype=torch.float64)
-            dist.recv(diffusion, 1)
+            with w.turns.turn():
+                w._open(self.index, CMD_STEPS, steps, seed)
+                for i in range(steps + 1):
+                    if i < steps:
+                        t0 = time.monotonic()
+                        feats = self.encode_window(
+                            self.family.audio_window(spec, speech, i), i, timed=True)
+                        times.audio.append((t0, time.monotonic()))
+                        times.add_busy("audio", feats.span)
+                        dist.broadcast(feats.value.cpu().contiguous(), 0)
+                    if i >= 1:
+                        latent = torch.empty(lat)
+                        dist.recv(latent, 1)
+                        t0 = time.monotonic()
+                        frames = self.decode(latent, timed=True)
+                        times.decode.append((t0, time.monotonic()))
+                        times.add_busy("decode", frames.span)
+                        t0 = time.monotonic()
+                        sink(i - 1, frames.value)
+                        times.sink.append((t0, time.monotonic()))
+                diffusion = torch.empty(steps, 3, dtype=torch.float64)
+                dist.recv(diffusion, 1)
             for t0, t1, busy in diffusion.tolist():
                 times.diffusion.append((t0, t1))
                 times.add_busy("diffusion", busy)
         except RuntimeError as e:  # gloo errors and timeouts (DistBackendError included)
-            raise self._failure(e) from None
+            raise w._failure(e) from None
         except BaseException as e:  # the sink failed or Ctrl-C: the group is mid-session
-            self._failure(e)
+            w._failure(e)
             raise
         return times
 
 
 class RemotePipeline(Pipeline):
     """The three-stage pipeline with its diffusion stage on the TP ranks. The first step
-    opens a streamed session on them (reference and prompt from the worker's start); each
-    step sends a go flag and the audio features and receives the latent back; when the
-    pipeline stops, an end flag returns the ranks to their command loop."""
+    opens the lane's session on them (reference and prompt from the lane's start); each step
+    sends the audio features and receives the latent back, in a turn of its own."""
 
-    def __init__(self, worker: DistributedWorker, encode_audio, seed: int):
-        self.worker, self.seed, self.opened = worker, seed, False
-        self.lat = worker.family.step_shapes(worker.spec).latent
+    def __init__(self, lane: RemoteLane, encode_audio, seed: int):
+        self.lane, self.worker, self.seed, self.opened = lane, lane.worker, seed, False
         super().__init__(encode_audio, self._diffuse, self._decode)
 
-    def _diffuse(self, i: int, feats: torch.Tensor) -> torch.Tensor:
-        if not self.opened:
-            ref, prompt = self.worker.pending_start
-            dist.broadcast(torch.tensor([CMD_STREAM, 0, self.seed]), 0,
-                           group=self.worker.control)
-            dist.broadcast(ref, 0)
-            dist.broadcast(prompt, 0)
-            self.opened = True
-        dist.broadcast(torch.ones(1, dtype=torch.long), 0)
-        dist.broadcast(feats.cpu().contiguous(), 0)
-        latent = torch.empty(self.lat)
-        dist.recv(latent, 1)
-        busy = torch.empty(1, dtype=torch.float64)  # the step's busy time on the TP ranks
-        dist.recv(busy, 1)
-        return Timed(latent, float(busy))
+    def _diffuse(self, i: int, feats: torch.Tensor) -> Timed:
+        w = self.worker
+        with w.turns.turn():
+            if not self.opened:
+                w._open(self.lane.index, CMD_START, 0, self.seed)
+                self.opened = True
+            return w._step(self.lane.index, feats)
 
     def _decode(self, item: Timed) -> Timed:
         """The step's frames; where the decoder streams, from its pieces' calls (the shapes
         the side networks' warm-up ran), as Worker.pipeline's render decodes them."""
-        w, latent = self.worker, item.value
-        pieces = w.family.decode_pieces(w.side, latent) or (latent,)
-        return w.on_side_stream(lambda *ps: torch.cat(
-            [w.side.decoder(p.to(w.decoder_device)).cpu() for p in ps]), *pieces, timed=True)
+        lane, latent = self.lane, item.value
+        pieces = lane.pieces(latent) or (latent,)
+        return lane.on_side_stream(lambda *ps: torch.cat(
+            [lane.decoder(p.to(lane.decoder_device)).cpu() for p in ps]), *pieces, timed=True)
 
     def run(self, steps, sink) -> StepTimes:
         w = self.worker
         w.ensure_ranks()
         try:
-            times = super().run(steps, sink)
-            if self.opened:  # every sent step was received: the ranks wait for a flag
-                dist.broadcast(torch.zeros(1, dtype=torch.long), 0)
-            return times
+            return super().run(steps, sink)
         except RuntimeError as e:  # gloo errors and timeouts (DistBackendError included)
             raise w._failure(e) from None
         except BaseException as e:
@@ -525,13 +642,10 @@ class RemotePipeline(Pipeline):
 def open_worker(engine: Engine, sessions: int | str = 1, over_capacity: bool = False):
     """The worker for an engine's layout: TP-1 in this process, else (or where the target
     puts its ranks in processes of their own) rank 0 of a group. `sessions`: the sessions it
-    serves at once over one copy of the engine (TP-1 in this process only, for now)."""
+    serves at once over one copy of the engine (runtime/lanes.py; on a group, every rank
+    holds a session per lane)."""
     if not engine.target.mapping(0).host_process:
         from .worker import Worker
 
         return Worker(engine, sessions=sessions, over_capacity=over_capacity)
-    if sessions != 1:
-        raise EngineError(f"--sessions {sessions}: engine {engine.target.name} runs its ranks "
-                          "in processes of their own, which serve one session at a time; "
-                          "give --sessions 1")
-    return DistributedWorker(engine)
+    return DistributedWorker(engine, sessions=sessions, over_capacity=over_capacity)
