@@ -249,3 +249,33 @@ def test_the_example_bot_streams_the_character_to_a_visitor(served):
     finally:
         bot.terminate()
         bot.wait(30)
+
+
+def test_two_bots_share_a_server_one_session_each(served):
+    """charrun --serve --sessions 2: two bots' pipelines at once, each its own session
+    (the server's capacity reads 2 and both are active while they run)."""
+    server = subprocess.Popen([*served["netns"], sys.executable, "-m", "charengine.runtime.cli",
+                               "--engine", str(served["engine"]), "--serve", "--port", "8090",
+                               "--health-port", "8091", "--sessions", "2", "--over-capacity"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(server.stdout.readline, "")),
+                     daemon=True).start()
+    try:
+        assert wait(lambda: any("serving on" in ln for ln in lines), 120), "".join(lines)
+        url = "http://127.0.0.1:8090/"
+        bots = [subprocess.Popen(
+            [*served["netns"], sys.executable, str(ROOT / "scripts/pipecat_turns.py"), "--url",
+             url, "--image", str(served["tmp"] / "face.png"), "--speech",
+             str(served["tmp"] / "speech.wav"), "--quiet", "--lead-s", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        outs = [b.communicate(timeout=120) for b in bots]
+        for out, err in outs:
+            r = json.loads(out.strip().splitlines()[-1])
+            assert r["errors"] == [] and r["turns"][0]["latency_s"] is not None, (r, err[-2000:])
+            assert r["sizes"] == [[64, 64]] and r["frames"] > 2 * 24
+        sessions = [ln for ln in lines if "session" in ln and "started (lane" in ln]
+        assert sorted(ln.split("(lane ")[1][0] for ln in sessions) == ["0", "1"], lines
+    finally:
+        server.terminate()
+        server.wait(30)
