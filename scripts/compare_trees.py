@@ -92,8 +92,8 @@ def build(tree: Path, site: Path, target: str, out: Path) -> Path:
     return out
 
 
-# a script a tree has under an earlier name (a base commit from before the benchmark pairs
-# became one script each): its name and flags there
+# a script a tree from before the benchmark pairs became one script each runs under an
+# earlier name (found there: the tree is that old): its name and flags there
 EARLIER = {"scripts/long_session.py": ("scripts/livetalk_long_session.py",
                                         {"--steps": "--chunks"})}
 
@@ -104,7 +104,7 @@ def run_once(tree: Path, site: Path, cmd: list[str], engine: Path | None, key: s
         shutil.rmtree(scratch)
     scratch.mkdir(parents=True)
     argv = [a.format(dir=scratch, engine=engine or "") for a in cmd]
-    if not (tree / argv[0]).exists() and argv[0] in EARLIER:
+    if argv[0] in EARLIER and (tree / EARLIER[argv[0]][0]).exists():
         name, flags = EARLIER[argv[0]]
         argv = [name, *(flags.get(a, a) for a in argv[1:])]
     r = subprocess.run([sys.executable, str(tree / argv[0]), *argv[1:]], cwd=site,
