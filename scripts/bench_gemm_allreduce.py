@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench_kernels import graph_time_us
+from kernel_timing import graph_time_us
 from charengine import fp8
 from charengine.characters.spec import RankShape
 from charengine.config import preset

@@ -1,509 +1,79 @@
-"""Microbenchmarks of the plugins' kernels against their references (and attention against
-cuDNN bf16, the GEMM against cuBLASLt) at a preset's TP rank-slice shapes, on one GPU.
+"""Microbenchmarks of a preset's kernels on one GPU, any family: each candidate as one CUDA
+graph of `--calls` calls over distinct buffers (rotated past L2, as a step sees them), timed
+`--reps` times, the median per call reported with its error against the plain reference
+(and attention beside cuDNN's bf16 attention, GEMMs beside cuBLASLt). The family's sections
+and their shapes come from scripts/kernels_<family>.py (the characters family's at a TP
+rank slice: --tp; LiveTalk's at its steady chunk), the timing from scripts/kernel_timing.py.
 
     python scripts/bench_kernels.py --preset characters-57b --tp 3
+    python scripts/bench_kernels.py --preset livetalk-1.3b --only pre_attention gemm
+    python scripts/bench_kernels.py --preset livetalk-1.3b --only cross_attention
 
-Each candidate runs as one CUDA graph of `--calls` calls over distinct buffers (rotated past
-L2, as a step sees them), timed `--reps` times; the median per call is reported, with the
-error against the reference. The FP8 KV calibration (`calibrate`), which a session runs once
-and eagerly, is timed eagerly instead (wall time, host launches included). Writes
-docs/results/kernels_<preset>_tp<N>_<gpu>.json.
+Writes docs/results/kernels_<preset>_tp<N>_<gpu>.json (--out: a folder, or a .json file).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import importlib
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from charengine import fp8
-from charengine.characters.spec import RankShape
 from charengine.config import preset
 from charengine.engine_format import this_machine
-from charengine.plugins import act_quant, attention, calibrate, delta_rotation, fp8_gemm, gemm, \
-    gemm_residual, pre_attention, quack_gemm
-from charengine.plugins.gemm import BACKENDS as GEMM_BACKENDS
-from charengine.characters.rope import RopeTables
-from charengine.timing import cuda_ms, median, wall_ms
-
-
-def graph_time_us(fn, calls: int, reps: int) -> float:
-    """Median microseconds per call of fn(i), i = 0..calls-1, replayed as one CUDA graph."""
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    return median([ms * 1e3 / calls for ms in cuda_ms(g.replay, reps, warmup=1)])
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def scale_bias(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """The least-squares factor between a and ref, minus one: whether an error shrinks or
-    grows the output systematically rather than adding noise."""
-    a, ref = a.float().flatten(), ref.float().flatten()
-    return (torch.dot(a, ref) / torch.dot(ref, ref) - 1).item()
-
-
-def fp8_code_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """How far apart two e4m3 tensors are, in codes (adjacent values differ by one code)."""
-    d = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
-    return {"max_codes": int(d.max()), "frac_differ": float((d > 0).float().mean())}
-
-
-def _timed(out, key, fn, calls, reps, check=None):
-    """out[key] = {"us": ...} plus check()'s entries; an error is reported, not fatal."""
-    try:
-        extra = check() if check is not None else {}
-        out[key] = {"us": graph_time_us(fn, calls, reps), **extra}
-    except Exception as e:
-        out[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-
-
-def rowwise_weights(n: int, N: int, K: int, dev, g, spread: float = 1.0):
-    """n FP8 weights [N, K] of normal values times `spread`, with their per-row scales [N]."""
-    ws = [fp8.quantize_rows(torch.randn(N, K, device=dev, generator=g) * spread)
-          for _ in range(n)]
-    return [(q, s[:, 0].contiguous()) for q, s in ws]
-
-
-def bench_attention(H, T, S, D, calls, reps, dev, extra=()):
-    """The attention kernel's candidate tiles (and `extra` AttentionTiles, V transposed) at
-    H heads, T queries, S keys of head dim D, beside cuDNN's bf16 attention."""
-    g = torch.Generator(device=dev).manual_seed(0)
-    n = 8  # distinct caches, 8 x 2 x H x S x D bytes: past L2
-    q = torch.randn(H, T, D, device=dev, generator=g).to(torch.bfloat16)
-    q8, qs = fp8.quantize_rows(q)
-    ks = torch.rand(H, 1, 1, device=dev, generator=g) * 0.01 + 0.005
-    vs = torch.rand(H, 1, 1, device=dev, generator=g) * 0.01 + 0.005
-    k8 = [fp8.quantize(torch.randn(H, S, D, device=dev, generator=g) * 2, 1.0) for _ in range(n)]
-    v8 = [fp8.quantize(torch.randn(H, S, D, device=dev, generator=g) * 2, 1.0) for _ in range(n)]
-    pad = -S % 16  # a [H, D, S] store needs 16-byte rows for TMA: slots padded to 16
-    vt = [torch.nn.functional.pad(v.transpose(1, 2), (0, pad)).contiguous()[..., :S].transpose(1, 2)
-          for v in v8]
-    flop = 4 * H * T * S * D
-    out = {}
-    ref = attention.reference(q8, qs, k8[0], v8[0], ks, vs, torch.bfloat16)
-    vmax = (v8[0].float().abs().amax() * vs.max()).item()
-    kb = [fp8.dequantize(k, ks, torch.bfloat16) for k in k8]
-    vb = [fp8.dequantize(v, vs, torch.bfloat16) for v in v8]
-    qb = fp8.dequantize(q8, qs, torch.bfloat16)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        us = graph_time_us(lambda i: F.scaled_dot_product_attention(
-            qb[None], kb[i % n][None], vb[i % n][None]), calls, reps)
-    out["cudnn_bf16"] = {"us": us, "tflops": flop / us / 1e6}
-    T_ = attention.AttentionTiles
-    candidates = [(T_(bm, bn, w, st, True, tma), "v_transposed")
-                  for bm, bn, w, st in ((64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 2),
-                                        (64, 256, 4, 3), (64, 256, 8, 3), (64, 128, 8, 3),
-                                        (128, 128, 8, 3), (64, 64, 4, 3))
-                  for tma in (True, False)]
-    # the softmax in fewer instructions (AttentionTiles.fma) at the fastest tiles
-    candidates += [(T_(bm, bn, w, st, True, True, True), "v_transposed")
-                   for bm, bn, w, st in ((64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3),
-                                         (128, 128, 8, 3))]
-    candidates += [(t, "v_transposed") for t in extra]
-    candidates += [(T_(128, 64, 8, 3, False, False), "v_rows"),
-                   (T_(128, 128, 8, 3, False, True), "v_rows"),
-                   (T_(64, 128, 4, 3, True, False), "v_rows")]
-    for t, layout in candidates:
-        vv = vt if layout == "v_transposed" else v8
-        key = f"triton_m{t.block_m}_n{t.block_n}_w{t.warps}_s{t.stages}_" \
-              f"{'pfp8' if t.p_fp8 else 'pbf16'}_{layout}{'_tma' if t.tma else ''}" \
-              f"{'_fma' if t.fma else ''}" \
-              f"{f'_split{t.split_ctas_per_sm}' if t.split_ctas_per_sm else ''}" \
-              f"{'_pipelined' if t.pipelined else ''}"
-        try:
-            o = attention.triton_attention(q8, qs, k8[0], vv[0], ks, vs, torch.bfloat16, t)
-            us = graph_time_us(lambda i: attention.triton_attention(
-                q8, qs, k8[i % n], vv[i % n], ks, vs, torch.bfloat16, t), calls, reps)
-        except Exception as e:  # a tile that does not compile or fit is reported, not fatal
-            out[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            continue
-        out[key] = {"us": us, "tflops": flop / us / 1e6, "rel_err": rel(o, ref),
-                    "max_abs_err_over_vmax": ((o.float() - ref.float()).abs().max() / vmax).item()}
-    return out
-
-
-def bench_pre_attention(spec, shape, calls, reps, dev):
-    H, T, D = shape.heads, spec.tokens_per_frame, spec.head_dim
-    S = spec.global_tokens + 6 * T
-    g = torch.Generator(device=dev).manual_seed(1)
-    n = 8
-    ys = [torch.randn(T, 3 * H * D, device=dev, generator=g).to(torch.bfloat16) for _ in range(n)]
-    split = [[t.reshape(T, H, D).transpose(0, 1) for t in y.split(H * D, -1)] for y in ys]
-    qn = (torch.rand(D, device=dev, generator=g) + 0.5).to(torch.bfloat16)
-    kn = (torch.rand(D, device=dev, generator=g) + 0.5).to(torch.bfloat16)
-    rope = RopeTables(spec).to(dev)
-    cos, sin = torch.cos(rope.frame_angles(torch.tensor(20, device=dev))), \
-        torch.sin(rope.frame_angles(torch.tensor(20, device=dev)))
-    idx = spec.global_tokens + 3 * T + torch.arange(T, device=dev)
-    ks = torch.full((H, 1, 1), 0.02, device=dev)
-    vs = torch.full((H, 1, 1), 0.02, device=dev)
-    pad = -S % 16
-
-    def v_store():  # the production layout: [H, D, S] padded, seen as [H, S, D]
-        return torch.zeros(H, D, S + pad, dtype=fp8.FP8, device=dev)[..., :S].transpose(1, 2)
-
-    stores = [[torch.zeros(H, S, D, dtype=fp8.FP8, device=dev), v_store()] for _ in range(n)]
-    out = {"reference": {"us": graph_time_us(lambda i: pre_attention.reference(
-        *split[i % n], qn, kn, 1e-6, cos, sin, *stores[i % n], ks, vs, idx, quantize_q=True),
-        calls, reps)}}
-    for bt, w in ((16, 4), (32, 4), (32, 8), (64, 8), (16, 2)):
-        out[f"triton_t{bt}_w{w}"] = {"us": graph_time_us(
-            lambda i, bt=bt, w=w: pre_attention.triton_pre_attention(
-                *split[i % n], qn, kn, 1e-6, cos, sin, *stores[i % n], ks, vs, idx,
-                quantize_q=True, block_t=bt, warps=w), calls, reps)}
-    a = [torch.zeros(H, S, D, dtype=fp8.FP8, device=dev) for _ in range(4)]
-    qr = pre_attention.reference(*split[0], qn, kn, 1e-6, cos, sin, a[0], a[1], ks, vs, idx)
-    qt = pre_attention.triton_pre_attention(*split[0], qn, kn, 1e-6, cos, sin, a[2], a[3], ks, vs, idx)
-    out["parity_rows_store"] = ({"q_max_abs": (qr.float() - qt.float()).abs().max().item(),
-                          "k": fp8_code_diff(a[0], a[2]), "v": fp8_code_diff(a[1], a[3])})
-    return out
-
-
-def bench_act(spec, shape, calls, reps, dev):
-    T, d = spec.tokens_per_frame, spec.dim
-    A, M = shape.attn_width(spec), shape.mlp
-    g = torch.Generator(device=dev).manual_seed(2)
-    n = 8
-    hs = [torch.randn(T, d, device=dev, generator=g).to(torch.bfloat16) for _ in range(n)]
-    shift = (torch.randn(d, device=dev, generator=g) * 0.1).to(torch.bfloat16)
-    scale = (torch.randn(d, device=dev, generator=g) * 0.1).to(torch.bfloat16)
-    att = [torch.randn(T, A, device=dev, generator=g).to(torch.bfloat16) for _ in range(n)]
-    gu = [torch.randn(T, 2 * M, device=dev, generator=g).to(torch.bfloat16) for _ in range(n)]
-    out = {}
-    variants = [("norm_modulate_reference", lambda i: act_quant.norm_modulate_reference(
-                    hs[i % n], shift, scale, 1e-6)),
-                ("swiglu_reference", lambda i: act_quant.swiglu_reference(
-                    att[i % n], gu[i % n][:, :M], gu[i % n][:, M:]))]
-    for w in (None, 4, 8, 16):
-        variants.append((f"norm_modulate_triton_w{w}", lambda i, w=w: act_quant.triton_norm_modulate_quant(
-            hs[i % n], shift, scale, 1e-6, warps=w)))
-    os_ = [torch.randn(T, d, device=dev, generator=g).to(torch.bfloat16) for _ in range(n)]
-    gate = (torch.randn(d, device=dev, generator=g) * 0.1).to(torch.bfloat16)
-    outs = [torch.empty(T, d, device=dev, dtype=torch.bfloat16) for _ in range(n)]
-    # what the GPU's memory gives an elementwise kernel here: read two [T, d], write one
-    variants.append(("torch_add_bandwidth_reference", lambda i: torch.add(
-        hs[i % n], os_[i % n], out=outs[i % n])))
-    variants.append(("addcmul_then_norm_modulate_triton", lambda i: act_quant.triton_norm_modulate_quant(
-        torch.addcmul(hs[i % n], gate, os_[i % n]), shift, scale, 1e-6)))
-    for w in (None, 8, 16):
-        variants.append((f"residual_norm_modulate_triton_w{w}",
-                         lambda i, w=w: act_quant.triton_residual_norm_modulate_quant(
-                             hs[i % n], os_[i % n], gate, shift, scale, 1e-6, warps=w)))
-    for w in (8, 16, 32):
-        variants.append((f"swiglu_row_triton_w{w}", lambda i, w=w: act_quant.triton_swiglu_quant_row(
-            att[i % n], gu[i % n][:, :M], gu[i % n][:, M:], warps=w)))
-    # as in the step: gate and up strided views of the input projection's output
-    proj = [torch.randn(T, 3 * A + 2 * M, device=dev, generator=g).to(torch.bfloat16)
-            for _ in range(n)]
-    for name, fn in (("swiglu_triton_w8_c2048_strided", act_quant.triton_swiglu_quant),
-                     ("swiglu_row_triton_w8_strided", act_quant.triton_swiglu_quant_row)):
-        variants.append((name, lambda i, fn=fn: fn(att[i % n], proj[i % n][:, 3 * A:3 * A + M],
-                                                    proj[i % n][:, 3 * A + M:])))
-    for w, c in ((8, 2048), (4, 1024), (16, 2048), (8, 1024), (16, 4096)):
-        variants.append((f"swiglu_triton_w{w}_c{c}", lambda i, w=w, c=c: act_quant.triton_swiglu_quant(
-            att[i % n], gu[i % n][:, :M], gu[i % n][:, M:], warps=w, chunk=c)))
-    for name, fn in variants:
-        _timed(out, name, fn, calls, reps)
-    for kind, r, t in (
-            ("norm_modulate", act_quant.norm_modulate_reference(hs[0], shift, scale, 1e-6),
-             act_quant.triton_norm_modulate_quant(hs[0], shift, scale, 1e-6)),
-            ("swiglu", act_quant.swiglu_reference(att[0], gu[0][:, :M], gu[0][:, M:]),
-             act_quant.triton_swiglu_quant(att[0], gu[0][:, :M], gu[0][:, M:]))):
-        out[f"{kind}_parity"] = ({
-            "scale_max_rel": ((r[1] - t[1]).abs() / r[1]).max().item(),
-            "rows_same_scale": float((r[1] == t[1]).float().mean()),
-            **fp8_code_diff(r[0], t[0])})
-    return out
-
-
-def bench_delta(spec, cfg, shape, reps, dev):
-    H, T, D = shape.heads, spec.tokens_per_frame, spec.head_dim
-    G, W = spec.global_tokens, cfg.cache.window
-    C = spec.n_blocks * cfg.schedule.passes
-    g = torch.Generator(device=dev).manual_seed(3)
-    k8 = torch.empty(C, H, G + W * T, D, dtype=fp8.FP8, device=dev)
-    for c in range(C):
-        k8[c] = fp8.quantize(torch.randn(H, G + W * T, D, device=dev, generator=g) * 50, 1.0)
-    sc = torch.rand(C, H, 1, 1, device=dev, generator=g) * 0.01 + 0.005
-    rope = RopeTables(spec).to(dev)
-    delta = float(cfg.cache.delta)
-    out = {}
-    for name, fn in (("reference", delta_rotation.reference),
-                     ("triton", delta_rotation.triton_delta_rotation)):
-        out[name] = {"ms": graph_time_us(lambda i: fn(k8, sc, G, rope.omega_t, delta), 1, reps) / 1e3}
-    a, b = k8[:4].clone(), k8[:4].clone()
-    delta_rotation.reference(a, sc[:4], G, rope.omega_t, delta)
-    delta_rotation.triton_delta_rotation(b, sc[:4], G, rope.omega_t, delta)
-    out["triton"].update(fp8_code_diff(a, b))
-    return out
-
-
-def eager_time_ms(fn, reps: int) -> float:
-    """Median wall milliseconds of fn() run eagerly, synchronized (host launches included:
-    the calibration runs outside the graphs, once per session)."""
-    return median(wall_ms(fn, reps, warmup=1, device="cuda"))
-
-
-def bench_calibrate(spec, cfg, shape, reps, dev):
-    """The FP8 KV calibration over every cache of the rank slice, as a session's calibration
-    step runs it (eager)."""
-    H, D = shape.heads, spec.head_dim
-    S = spec.global_tokens + cfg.cache.window * spec.tokens_per_frame
-    C = spec.n_blocks * cfg.schedule.passes
-    g = torch.Generator(device=dev).manual_seed(5)
-    k = torch.randn(C, H, S, D, device=dev, generator=g, dtype=torch.bfloat16)
-    v = torch.randn(C, H, S, D, device=dev, generator=g, dtype=torch.bfloat16)
-    k8 = torch.empty(C, H, S, D, dtype=fp8.FP8, device=dev)
-    v8 = torch.empty(C, H, D, S + (-S % 16), dtype=fp8.FP8, device=dev)[..., :S].transpose(-1, -2)
-    scale = torch.empty(C, 2, H, 1, 1, device=dev)
-    cc = cfg.cache
-    return {name: {"ms": eager_time_ms(lambda fn=fn: fn(k, v, k8, v8, scale, cc.scale_margin,
-                                                        cc.fp8_max), reps)}
-            for name, fn in (("reference", calibrate.reference),
-                             ("triton", calibrate.triton_calibrate))}
-
-
-# charbuild's QuACK candidates and one more tile configuration
-QUACK_TILES = (*quack_gemm.CANDIDATES, "128,128,2,1,1")
-
-
-def bench_gemm(spec, shape, calls, reps, dev, libs=GEMM_BACKENDS):
-    """`libs`: the candidates timed; quack where it is installed (plugins/quack_gemm.py),
-    with fast accumulation at every tile configuration and promoted sums at the first."""
-    T = spec.tokens_per_frame
-    g = torch.Generator(device=dev).manual_seed(4)
-    out = {}
-    for name, N, K in (("w_in", shape.in_proj_rows(spec), spec.dim),
-                       ("w_out", spec.dim, shape.out_proj_cols(spec))):
-        n = max(2, math.ceil(200e6 / (N * K)))  # weights past L2
-        a_q, a_s = fp8.quantize_rows(torch.randn(T, K, device=dev, generator=g))
-        ws = rowwise_weights(n, N, K, dev, g)
-        flop = 2 * T * N * K
-        # fp32 sums of the exact FP8 products: the error is the accumulation's and rounding's
-        ref = (a_q.float() @ ws[0][0].float().t()) * a_s * ws[0][1][None, :]
-        res = {}
-        for fast in (False, True):
-            us = graph_time_us(lambda i: fp8.scaled_mm(a_q, a_s, *ws[i % n], torch.bfloat16, fast),
-                               calls, reps)
-            o = fp8.scaled_mm(a_q, a_s, *ws[0], torch.bfloat16, fast)
-            res[f"scaled_mm{'_fast' if fast else ''}"] = {
-                "us": us, "tflops": flop / us / 1e6, "rel_err": rel(o, ref),
-                "scale_bias": scale_bias(fp8.scaled_mm(a_q, a_s, *ws[0], torch.float32, fast), ref)}
-        # promote: None once per K tile (cuBLASLt's default numerics), 0 never (fast
-        # accumulation's)
-        triton_tiles = () if "triton" not in libs else (
-                (128, 128, 128, 8, 4, None), (128, 256, 128, 8, 3, None),
-                (64, 128, 128, 4, 4, None), (128, 128, 64, 4, 5, None),
-                (128, 128, 128, 8, 4, 0), (128, 256, 128, 8, 3, 0))
-        for bm, bn, bk, w, st, promote in triton_tiles:
-            t = fp8_gemm.GemmTiles(bm, bn, bk, 8, w, st, promote)
-            key = f"triton_m{bm}_n{bn}_k{bk}_w{w}_s{st}_promote{t.promote(False)}"
-            try:
-                o = fp8_gemm.triton_scaled_mm(a_q, a_s, *ws[0], torch.bfloat16, t)
-                us = graph_time_us(lambda i: fp8_gemm.triton_scaled_mm(
-                    a_q, a_s, *ws[i % n], torch.bfloat16, t), calls, reps)
-            except Exception as e:
-                res[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                continue
-            res[key] = {"us": us, "tflops": flop / us / 1e6, "rel_err": rel(o, ref)}
-        if "quack" in libs and quack_gemm.available():
-            runs = [(spec_, True) for spec_ in QUACK_TILES] + [(QUACK_TILES[0], False)]
-            for spec_, fast in runs:
-                key = f"quack_{spec_.replace(',', '_')}{'_fast' if fast else ''}"
-                gemm = functools.partial(quack_gemm.quack_scaled_mm, fast_accum=fast,
-                                         tiles=quack_gemm.QuackTiles.parse(spec_))
-                try:
-                    o = gemm(a_q, a_s, *ws[0], torch.bfloat16)
-                    us = graph_time_us(lambda i: gemm(a_q, a_s, *ws[i % n], torch.bfloat16),
-                                       calls, reps)
-                except Exception as e:
-                    res[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                    continue
-                res[key] = {"us": us, "tflops": flop / us / 1e6, "rel_err": rel(o, ref)}
-        out[f"{name}_{T}x{N}x{K}"] = res
-    return out
-
-
-SWIGLU_TILES = ("128,256,2,1,0", "128,192,2,1,1", "128,128,2,1,1", "256,128,1,2,0",
-                "128,192,1,2,1", "256,192,1,2,0", "128,160,2,1,1")
-
-
-def bench_epilogues(spec, shape, calls, reps, dev):
-    """The block with the work between the GEMMs moved into their epilogues (gemm_swiglu): the
-    input projection with SwiGLU and row maxima in QuACK's epilogue, as one GEMM and as the
-    rejected split (a q/k/v GEMM and a gate/up one), the attention kernel giving its row
-    maxima, the concatenate-and-quantize kernel that needs no row reduction, and the output
-    projection with the residual in its epilogue; each against the default block's kernels
-    at the rank slice."""
-    T, d = spec.tokens_per_frame, spec.dim
-    A, M = shape.attn_width(spec), shape.mlp
-    g = torch.Generator(device=dev).manual_seed(6)
-    out = {}
-    bf = torch.bfloat16
-    # input projection: the present single GEMM against the split
-    a_q, a_s = fp8.quantize_rows(torch.randn(T, d, device=dev, generator=g))
-    n = 3
-    w_in = rowwise_weights(n, 3 * A + 2 * M, d, dev, g, 0.02)
-    w_qkv = [(q[:3 * A].contiguous(), s[:3 * A].contiguous()) for q, s in w_in]
-    w_gu = [(quack_gemm.interleave_gate_up(q[3 * A:]).contiguous(),
-             quack_gemm.interleave_gate_up(s[3 * A:]).contiguous()) for q, s in w_in]
-    _timed(out, "w_in_scaled_mm_fast", lambda i: fp8.scaled_mm(a_q, a_s, *w_in[i % n], bf, True),
-           calls, reps)
-    _timed(out, "qkv_scaled_mm_fast", lambda i: fp8.scaled_mm(a_q, a_s, *w_qkv[i % n], bf, True),
-           calls, reps)
-    if not quack_gemm.available():
-        out["quack"] = "not installed"
-    else:
-        ref_y, ref_amax = quack_gemm.swiglu_reference(a_q, a_s, *w_gu[0], bf, True)[1:]
-        w_pairs = [(torch.cat([q[:3 * A], p]), torch.cat([s_[:3 * A], ps]))
-                   for (q, s_), (p, ps) in zip(w_in, w_gu)]
-        for spec_ in QUACK_TILES:
-            t = quack_gemm.QuackTiles.parse(spec_)
-            _timed(out, f"w_in_quack_{spec_}", lambda i, t=t: quack_gemm.quack_scaled_mm(
-                a_q, a_s, *w_in[i % n], bf, True, t), calls, reps)
-            _timed(out, f"qkv_quack_{spec_}", lambda i, t=t: quack_gemm.quack_scaled_mm(
-                a_q, a_s, *w_qkv[i % n], bf, True, t), calls, reps)
-        for spec_ in SWIGLU_TILES:
-            t = quack_gemm.QuackTiles.parse(spec_)
-
-            def check(t=t, split=0):
-                w = w_pairs[0] if split else w_gu[0]
-                _, y, am = quack_gemm.quack_swiglu_mm(a_q, a_s, *w, bf, True, split, t)
-                return {"rel_err": rel(y, ref_y),
-                        "amax_max_rel": ((am.amax(1, keepdim=True) - ref_amax).abs()
-                                         / ref_amax).max().item()}
-            # the gate/up GEMM alone (after a q/k/v one), and the whole input projection
-            _timed(out, f"swiglu_quack_{spec_}", lambda i, t=t: quack_gemm.quack_swiglu_mm(
-                a_q, a_s, *w_gu[i % n], bf, True, 0, t), calls, reps, check)
-            if 3 * A % t.tile_n == 0:
-                _timed(out, f"w_in_swiglu_quack_{spec_}",
-                       lambda i, t=t: quack_gemm.quack_swiglu_mm(a_q, a_s, *w_pairs[i % n], bf,
-                                                                 True, 3 * A, t),
-                       calls, reps, lambda t=t: check(t, 3 * A))
-        # output projection with the residual in the epilogue
-        K = A + M
-        o_q, o_s = fp8.quantize_rows(torch.randn(T, K, device=dev, generator=g))
-        w_out = rowwise_weights(n, d, K, dev, g, 0.02)
-        hs = [torch.randn(T, d, device=dev, generator=g).to(bf) for _ in range(n)]
-        ref_r = gemm_residual.reference(o_q, o_s, *w_out[0], hs[0], bf, True)
-        for spec_ in ("128,192,2,1,1", "256,192,1,2,0", "128,256,2,1,0"):
-            t = quack_gemm.QuackTiles.parse(spec_)
-            _timed(out, f"w_out_quack_{spec_}", lambda i, t=t: quack_gemm.quack_scaled_mm(
-                o_q, o_s, *w_out[i % n], bf, True, t), calls, reps)
-            _timed(out, f"w_out_residual_quack_{spec_}",
-                   lambda i, t=t: quack_gemm.quack_scaled_mm_residual(
-                       o_q, o_s, *w_out[i % n], hs[i % n], bf, True, t), calls, reps,
-                   lambda t=t: {"rel_err": rel(quack_gemm.quack_scaled_mm_residual(
-                       o_q, o_s, *w_out[0], hs[0], bf, True, t), ref_r)})
-        lt = gemm.select("scaled_mm", "residual", dev)
-        _timed(out, "w_out_residual_cublaslt", lambda i: lt(o_q, o_s, *w_out[i % n], hs[i % n],
-                                                            bf, True), calls, reps)
-    # the quantization before the output projection
-    nb = 8
-    att = [torch.randn(T, A, device=dev, generator=g).to(bf) for _ in range(nb)]
-    ys = [torch.randn(T, M, device=dev, generator=g).to(bf) for _ in range(nb)]
-    gu = [torch.randn(T, 2 * M, device=dev, generator=g).to(bf) for _ in range(nb)]
-    ya = [y.float().abs().reshape(T, -1, 128).amax(-1) for y in ys]  # 128-column partials
-    aa = [a.float().abs().reshape(T, -1, spec.head_dim).amax(-1).t().contiguous().t()
-          for a in att]  # [heads, T] seen as [T, heads], as the attention kernel gives it
-    ref_q, ref_s = fp8.quantize_rows(torch.cat([att[0], ys[0]], -1))
-    _timed(out, "swiglu_row_triton_w16", lambda i: act_quant.triton_swiglu_quant_row(
-        att[i % nb], gu[i % nb][:, :M], gu[i % nb][:, M:]), calls, reps)
-    _timed(out, "act_quant_triton_concatenated", lambda i: act_quant.triton_act_quant(
-        torch.cat([att[i % nb], ys[i % nb]], -1)), calls, reps)
-    for has_am in (True, False):
-        for chunk, w in ((1024, 4), (2048, 4), (2048, 2), (4096, 4), (4096, 8), (1024, 2)):
-            def check(chunk=chunk, w=w, has_am=has_am):
-                q, s_ = act_quant.triton_concat_quant(att[0], aa[0] if has_am else None, ys[0],
-                                                      ya[0], chunk, w)
-                return {"same_bytes": bool((q.view(torch.uint8) == ref_q.view(torch.uint8)).all()),
-                        "same_scales": bool((s_ == ref_s).all())}
-            _timed(out, f"concat_quant_c{chunk}_w{w}{'_attn_amax' if has_am else ''}",
-                   lambda i, chunk=chunk, w=w, has_am=has_am: act_quant.triton_concat_quant(
-                       att[i % nb], aa[i % nb] if has_am else None, ys[i % nb], ya[i % nb],
-                       chunk, w), calls, reps, check)
-    hs = [torch.randn(T, d, device=dev, generator=g).to(bf) for _ in range(nb)]
-    shift = (torch.randn(d, device=dev, generator=g) * 0.1).to(bf)
-    scale = (torch.randn(d, device=dev, generator=g) * 0.1).to(bf)
-    _timed(out, "norm_modulate_triton", lambda i: act_quant.triton_norm_modulate_quant(
-        hs[i % nb], shift, scale, 1e-6), calls, reps)
-    # attention with and without its row maxima
-    H, D = shape.heads, spec.head_dim
-    S = spec.global_tokens + 6 * T
-    q8, qs = fp8.quantize_rows(torch.randn(H, T, D, device=dev, generator=g))
-    k8 = [fp8.quantize(torch.randn(H, S, D, device=dev, generator=g) * 2, 1.0) for _ in range(4)]
-    # values stored [H, D, S] with rows padded to 16 bytes, as the cache keeps them
-    v8 = [fp8.quantize(torch.randn(H, D, S - S % -16, device=dev, generator=g) * 2,
-                       1.0)[..., :S].transpose(1, 2) for _ in range(4)]
-    ks = torch.full((H, 1, 1), 0.01, device=dev)
-    amax = torch.empty(H, T, device=dev)
-    _timed(out, "attention", lambda i: attention.triton_attention(
-        q8, qs, k8[i % 4], v8[i % 4], ks, ks, bf), calls, reps)
-
-    def check_att():
-        o = attention.triton_attention(q8, qs, k8[0], v8[0], ks, ks, bf, amax=amax)
-        return {"amax_exact": bool((o.float().abs().reshape(T, H, D).amax(-1) == amax.t()).all())}
-    _timed(out, "attention_amax", lambda i: attention.triton_attention(
-        q8, qs, k8[i % 4], v8[i % 4], ks, ks, bf, amax=amax), calls, reps, check_att)
-    return out
+from charengine.family import family_of
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="characters-57b")
-    ap.add_argument("--tp", type=int, default=3)
-    ap.add_argument("--calls", type=int, default=40)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--only", nargs="*", default=["attention", "pre_attention", "act", "delta",
-                                                  "calibrate", "gemm", "epilogues"])
-    ap.add_argument("--gemm-libs", default=",".join(GEMM_BACKENDS),
-                    help="the GEMM candidates --only gemm times (quack where installed)")
+    ap.add_argument("--tp", type=int, default=None,
+                    help="the layout's TP degree (default: the family's: 3 for the "
+                         "characters family, 1 for LiveTalk)")
+    ap.add_argument("--calls", type=int, default=None, help="calls per graph (default: the "
+                                                            "family's)")
+    ap.add_argument("--reps", type=int, default=None, help="timed replays (default: the "
+                                                           "family's)")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="sections, by name (default: every section of the family's)")
+    ap.add_argument("--gemm-libs", default="",
+                    help="the characters family's GEMM candidates (default: every backend; "
+                         "quack where installed)")
     ap.add_argument("--gpu-tag", default="h200")
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     args = ap.parse_args()
-    dev = torch.device("cuda")
+    fam = family_of(preset(args.preset))
+    cases = importlib.import_module(f"kernels_{fam.name}")
+    defaults = cases.DEFAULTS
+    args.tp = args.tp or defaults["tp"]
+    args.calls = args.calls or defaults["calls"]
+    args.reps = args.reps or defaults["reps"]
     cfg = preset(args.preset, tp=args.tp)
-    spec, shape = cfg.model, RankShape.of(cfg.model, args.tp, 0)
-    S = spec.global_tokens + cfg.cache.window * spec.tokens_per_frame
-    result = {"preset": args.preset, "tp": args.tp, "machine": this_machine(),
-              "date": time.strftime("%Y-%m-%d"), "calls": args.calls, "reps": args.reps}
+    only = args.only or list(cases.SECTIONS)
+    unknown = [s for s in only if s not in cases.SECTIONS]
+    if unknown:
+        ap.error(f"unknown sections {unknown} of the {fam.name} family; known: "
+                 f"{', '.join(cases.SECTIONS)}")
+    dev = torch.device("cuda")
+    result = {"preset": args.preset, "family": fam.name, "tp": args.tp,
+              "machine": this_machine(), "date": time.strftime("%Y-%m-%d"),
+              "calls": args.calls, "reps": args.reps}
     with torch.inference_mode():
-        parts = {
-            "attention": lambda: bench_attention(shape.heads, spec.tokens_per_frame, S,
-                                                 spec.head_dim, args.calls, args.reps, dev),
-            "pre_attention": lambda: bench_pre_attention(spec, shape, args.calls, args.reps, dev),
-            "act": lambda: bench_act(spec, shape, args.calls, args.reps, dev),
-            "delta": lambda: bench_delta(spec, cfg, shape, args.reps, dev),
-            "calibrate": lambda: bench_calibrate(spec, cfg, shape, args.reps, dev),
-            "epilogues": lambda: bench_epilogues(spec, shape, args.calls, args.reps, dev),
-            "gemm": lambda: bench_gemm(spec, shape, args.calls, args.reps, dev,
-                                       tuple(args.gemm_libs.split(","))),
-        }
-        for name in args.only:
+        parts = cases.sections(cfg, args, dev)
+        for name in only:
             t0 = time.perf_counter()
             result[name] = parts[name]()
             print(f"== {name} ({time.perf_counter() - t0:.0f} s)")
-            print(json.dumps(result[name], indent=1))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kernels_{args.preset}_tp{args.tp}_{args.gpu_tag}.json"
+            print(json.dumps(result[name], indent=1), flush=True)
+    path = args.out if args.out.suffix == ".json" else \
+        args.out / f"kernels_{args.preset}_tp{args.tp}_{args.gpu_tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ from .pre_attention import check_head_dims
 class RowTiles:
     """The kernel's tiles: tokens per query or key program (their whole rows), tokens per
     value program (one head: runs of that many slots in a value store [H, D, S]) and warps.
-    The default is the fastest measured at LiveTalk-1.3B's chunk (scripts/livetalk_kernels.py
-    --only pre_attention, docs/PERFORMANCE_LOG.md)."""
+    The default is the fastest measured at LiveTalk-1.3B's chunk (scripts/bench_kernels.py
+    --preset livetalk-1.3b --only pre_attention, docs/PERFORMANCE_LOG.md)."""
 
     tokens: int = 4
     value_tokens: int = 32

@@ -1,43 +1,26 @@
-"""LiveTalk-1.3B's kernels alone on the GPU at its steady-chunk shapes: the FP8 attention's
-tiles over the sink and window as the cache lays them out (12 heads, 3,072 queries, 15,360
-keys, values stored [head_dim, slots]), and each fused epilogue against the unfused ops it
-replaces (the gated residual + the cross-attention's layer norm + quantize, the gated
-residual + audio + AdaLN + quantize, GELU + quantize, the q RMS norm), and the fused
-pre-attention over its tile sizes, each checked against the reference; and each FP8 GEMM
-shape through `torch._scaled_mm` and through cuBLASLt with no workspace (`cublaslt`), with the
-memsets each call adds to a CUDA graph. Each time is the median microseconds per
-call of a CUDA graph of many calls over distinct buffers.
-
-    python scripts/livetalk_kernels.py --out docs/results/livetalk/kernels_livetalk-1.3b_h200.json
-    python scripts/livetalk_kernels.py --only pre_attention gemm --out ...
-
-`--only cross_attention` times the cross-attention's shape (the chunk's queries over the
-prompt's 512 keys): SDPA's backends in bf16 and the FP8 kernel's tiles.
-"""
+"""The LiveTalk family's kernels for scripts/bench_kernels.py at its steady-chunk shapes: the
+FP8 attention's tiles over the sink and window as the cache lays them out (values stored
+[head_dim, slots]), the cross-attention's shape (the chunk's queries over the prompt's keys:
+SDPA's backends in bf16 and the FP8 kernel's tiles), each fused epilogue against the unfused
+ops it replaces (the gated residual + the cross-attention's layer norm + quantize, the gated
+residual + audio + AdaLN + quantize, GELU + quantize, the q RMS norm), the fused
+pre-attention over its tile sizes, and each FP8 GEMM shape through `torch._scaled_mm` and
+through cuBLASLt with no workspace (`cublaslt`), with the memsets each call adds to a CUDA
+graph."""
 
 from __future__ import annotations
-
-import argparse
-import json
-import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from charengine import fp8
-from charengine.config import preset
-from charengine.engine_format import this_machine
 from charengine.ops import gated_residual, gelu_tanh, modulate, rms_norm_width
 from charengine.plugins import act_quant, gemm, pre_attention_width, rms_norm
 from charengine.plugins.attention import SPLIT_TILES, AttentionTiles
 from charengine.rope import cos_sin
+from kernel_timing import bench_attention, graph_time_us
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import bench_attention, graph_time_us  # noqa: E402
-
-# tiles tried beyond bench_kernels.py's list: 128-query tiles suit 3,072 queries per head
+# tiles tried beyond kernel_timing.bench_attention's list: 128-query tiles suit 3,072 queries per head
 EXTRA_TILES = tuple(AttentionTiles(bm, bn, w, st, True, True, True)
                     for bm, bn, w, st in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
                                           (128, 128, 8, 4), (128, 256, 8, 2), (64, 64, 4, 4),
@@ -52,6 +35,7 @@ ACT_WARPS = (1, 2, 4)  # act_quant's one-pass row kernel
 # warps: pre_attention_width.RowTiles)
 PRE_ROWS = tuple((t, v, w) for t in (2, 4, 8) for v in (32, 64) for w in (2, 4, 8))
 SECTIONS = ("attention", "cross_attention", "epilogues", "pre_attention", "gemm")
+DEFAULTS = {"tp": 1, "calls": 20, "reps": 5}
 GEMM_CALLS = 20  # GEMMs per graph (each over one of BUFFERS weights, its own bias added)
 BUFFERS = 4  # distinct inputs per graph, so that repeated calls do not all hit L2
 
@@ -251,40 +235,14 @@ def bench_gemm(spec, reps: int, dev) -> dict:
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="livetalk-1.3b")
-    ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    spec = preset(args.preset).model
-    dev = torch.device("cuda")
+def sections(cfg, args, dev) -> dict:
+    spec = cfg.model
     S = spec.cache_frames * spec.frame_tokens
-    result = {"preset": args.preset, "machine": this_machine(), "date": time.strftime("%Y-%m-%d"),
-              "attention_shape": {"heads": spec.n_heads, "queries": spec.chunk_tokens,
-                                  "keys": S, "head_dim": spec.head_dim}}
-    if "attention" in args.only:
-        attn = bench_attention(spec.n_heads, spec.chunk_tokens, S, spec.head_dim, args.calls,
-                               args.reps, dev, EXTRA_TILES)
-        for k, v in sorted(attn.items(), key=lambda kv: kv[1].get("us", 1e30)):
-            print(f"{k:48s} " + (f"{v['us']:9.1f} us {v['tflops']:7.1f} TFLOP/s" if "us" in v
-                                 else v["error"][:80]), flush=True)
-        result["attention"] = attn
-    if "cross_attention" in args.only:
-        result["cross_attention"] = bench_cross_attention(spec, args.calls, args.reps, dev)
-    if "pre_attention" in args.only:
-        result["pre_attention"] = bench_pre_attention(spec, args.calls, args.reps, dev)
-    if "gemm" in args.only:
-        result["gemm"] = bench_gemm(spec, args.reps, dev)
-    if "epilogues" in args.only:
-        result["epilogues"] = bench_epilogues(spec, args.calls, args.reps, dev)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    return {
+        "attention": lambda: bench_attention(spec.n_heads, spec.chunk_tokens, S, spec.head_dim,
+                                             args.calls, args.reps, dev, EXTRA_TILES),
+        "cross_attention": lambda: bench_cross_attention(spec, args.calls, args.reps, dev),
+        "pre_attention": lambda: bench_pre_attention(spec, args.calls, args.reps, dev),
+        "gemm": lambda: bench_gemm(spec, args.reps, dev),
+        "epilogues": lambda: bench_epilogues(spec, args.calls, args.reps, dev),
+    }
