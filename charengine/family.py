@@ -5,8 +5,9 @@ below, in six parts: Shapes (its spec type, presets and config types), Checkpoin
 layout, loader and random weights), Rank (the tables it bakes for the fixed schedule, how a
 TP rank's weights are cut, the one assembly of a rank's model, cache and session through
 charengine/stepping.py), Speech (which speech each step plays), Side (its side networks:
-audio and image encoders, decoder, text encoder, and their graphs for ONNX export) and Arms
-(the named configs the benchmark scripts run and compare: the waterfall and the others). The
+audio and image encoders, decoder, text encoder, and their graphs for ONNX export) and Bench
+(what the benchmark scripts run and count: the named configs they compare, the waterfall
+among them, a rank's random weights, a step's FLOPs and kernel groups). The
 builder, the runtime and the scripts speak to a family only through these members, so a
 family is added by writing its package and naming it in FAMILIES; no other family's code
 changes. docs/ARCHITECTURE.md draws where it plugs in.
@@ -253,10 +254,12 @@ class Side(Protocol):
         weights)."""
 
 
-class Arms(Protocol):
-    """Part 6, what the benchmarks compare: named variants of an EngineConfig of the family
-    (its `arms` module), among them the waterfall, the paper's Figure 2: the plain path
-    first, each optimization on in turn, the config as it is (`production`) last."""
+class Bench(Protocol):
+    """Part 6, what the benchmark scripts run and count (the family's `arms` module): named
+    variants of an EngineConfig of the family, among them the waterfall, the paper's Figure
+    2 (the plain path first, each optimization on in turn, the config as it is,
+    `production`, last); a rank's random weights made fast; a step's FLOPs and its kernels'
+    groups."""
 
     def waterfall(self) -> tuple[str, ...]:
         """The waterfall's arms in order."""
@@ -281,8 +284,19 @@ class Arms(Protocol):
     def numerics_session(self, cfg, name: str, weights, device, rank: int):
         """An eager session of numerics arm `name` of cfg over `weights`."""
 
+    def bench_rank(self, cfg, seed: int, device, rank: int) -> tuple[dict, dict]:
+        """TP rank `rank`'s engine state and tables of random weights, made fast on `device`
+        (a full-size benchmark's: not random_weights' values)."""
 
-class Family(Shapes, Checkpoint, Rank, Speech, Side, Arms, Protocol):
+    def step_flops(self, cfg, rank: int) -> dict[str, float]:
+        """A steady step's FLOP on TP rank `rank`: {"gemm": ..., "attention": ...}."""
+
+    def kernel_groups(self) -> tuple[tuple[str, str], ...]:
+        """(fragment of a kernel's name, its group) pairs, the first match winning: how a
+        profile of a step sums its kernels."""
+
+
+class Family(Shapes, Checkpoint, Rank, Speech, Side, Bench, Protocol):
     """A model family: the six parts above, each small enough to write and test on its
     own (docs/ARCHITECTURE.md shows both families' answers side by side). The builder and
     the runtime use nothing of a family but these members."""
@@ -365,6 +379,15 @@ class FamilyModules:
 
     def numerics_session(self, cfg, name: str, weights, device, rank: int):
         return self._module("arms").numerics_session(cfg, name, weights, device, rank)
+
+    def bench_rank(self, cfg, seed: int, device, rank: int) -> tuple[dict, dict]:
+        return self._module("arms").bench_rank(cfg, seed, device, rank)
+
+    def step_flops(self, cfg, rank: int) -> dict[str, float]:
+        return self._module("arms").step_flops(cfg, rank)
+
+    def kernel_groups(self) -> tuple[tuple[str, str], ...]:
+        return self._module("arms").KERNEL_GROUPS
 
 
 def family(name: str) -> Family:

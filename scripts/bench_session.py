@@ -1,26 +1,33 @@
-"""Session benchmark on one GPU: one TP rank's slice (the all-reduce left out), a
-live-length session with the window full and resets included, per-step CUDA-event timings,
-a torch.profiler breakdown laid out like paper Table 2, and the GEMM and attention floors
-measured alone in the same process.
+"""Where a step's time goes, any family, on one device: one TP rank's slice (the all-reduce
+left out), a live-length session with the cache full and resets included, per-step timings
+(CUDA events on a GPU), the step's FLOPs against the dense peaks, a profile of the graphed
+steady steps with each kernel's time grouped as the family groups them (`kernel_groups`),
+where the family's model labels its regions a profile of eager steps laid out like the
+paper's Table 2, the first steps of new sessions (--fill-sessions), and where a family has
+them (scripts/floors_<family>.py) the step's GEMMs and attention timed alone.
 
 With --engine, the rank is loaded as charrun loads it (runtime/worker.py: the engine's
-weights, tables, GEMM plan and compiled kernels, the warm-up that captures the step graphs):
-the headline numbers. Without, the rank of --preset/--arm is assembled in memory from random
-weights made on the device (charengine/assemble.py, the same assembly) with the GEMM plan
-charbuild would measure (builder/bake.py), for the switch arms.
+weights, tables, GEMM plan and compiled kernels, the warm-up that captures the step
+graphs): the headline numbers. Without, the rank of --preset and --arm (the family's arms)
+is assembled in memory from random weights made on the device (`bench_rank`, the same
+assembly) with the GEMM plan charbuild would measure (builder/bake.py).
 
     charbuild --target h100-tp3 --ranks 0 --out engines/h100-tp3-r0
     python scripts/bench_session.py --engine engines/h100-tp3-r0 --rank 0
     python scripts/bench_session.py --preset characters-57b --tp 3 --arm production
+    python scripts/bench_session.py --preset livetalk-1.3b --steps 40 --exclude 10 \
+        --profile-graph-steps 6 --fill-sessions 3
     python scripts/bench_session.py --preset tiny --device cpu --steps 100 --exclude 20
 
-Writes one JSON per run (docs/results/bench_<preset>_<layout>_<gpu>_<arm>_<run>.json).
+Writes one JSON per run (docs/results/session_<preset>_<layout>_<gpu>_<arm>_<run>.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import importlib
 import json
 import statistics
 import subprocess
@@ -30,45 +37,25 @@ from pathlib import Path
 import torch
 
 from charengine.assemble import rank_session
-from charengine.characters.cache import KVCache
-from charengine.characters.model import CharacterDiT, bake_adaln
-from charengine.characters.spec import RankShape
-from charengine.characters.step import ar_step
-from charengine.stepping import Session
-from charengine.characters.weights import random_rank_state
-from charengine.config import EngineConfig, preset
-from charengine.characters.config import LINEARS, Switches
+from charengine.config import preset
 from charengine.engine_format import this_machine
+from charengine.family import family_of
 from charengine.mapping import Mapping
-from charengine.timing import Mark
-from charengine.plugins import gemm
-from charengine.plugins.attention import AttentionTiles
+from charengine.stepping import Session
+from charengine.timing import Mark, Span, median
 
-DENSE_FP8_PEAK_TFLOPS = 1979.0  # H100/H200 SXM datasheet, dense
+# dense tensor-core peaks of an H100/H200 SXM (TFLOP/s)
+DENSE_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}
+# the regions a family's model labels when asked (model.annotate): the characters family's
 COMPONENTS = ("fp8_gemm", "gemm", "act_quant", "cache_upkeep", "pre_attention", "attention",
               "adaln")
+TOP_KERNELS = 25
 
 
-def arm_switches(arm: str) -> Switches:
-    if arm == "production":
-        return Switches()
-    return Switches.cumulative(arm)
-
-
-def arm_config(arm: str, preset_name: str, tp: int) -> EngineConfig:
-    """The arm's config. The switch arms (the waterfall's bars) hold the FP8 GEMMs at
-    promoted sums, as every arm was measured before fast accumulation became the default
-    (ddafc98, 2026-11-30); "production" is the preset as shipped, fast accumulation included, so the
-    waterfall's last bar adds it."""
-    cfg = preset(preset_name, tp=tp, switches=arm_switches(arm))
-    if arm != "production":
-        cfg = cfg.replace(numerics=dataclasses.replace(cfg.numerics, fast_accum=False))
-    return cfg
-
-
-def parse_switches(text: str) -> dict[str, bool]:
-    """'gemm_residual=1,fused_residual=0' -> {"gemm_residual": True, "fused_residual": False}."""
-    known = {f.name for f in dataclasses.fields(Switches)}
+def parse_switches(cfg, text: str) -> dict[str, bool]:
+    """'gemm_residual=1,fused_residual=0' -> {"gemm_residual": True, ...}, names of cfg's
+    switches."""
+    known = {f.name for f in dataclasses.fields(cfg.switches)}
     out = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
@@ -77,16 +64,6 @@ def parse_switches(text: str) -> dict[str, bool]:
                              f"{', '.join(sorted(known))}")
         out[name] = value == "1"
     return out
-
-
-def step_flops(cfg: EngineConfig, shape: RankShape) -> tuple[float, float]:
-    """(GEMM, attention) FLOP of one AR step on this rank."""
-    spec, T = cfg.model, cfg.model.tokens_per_frame
-    calls = spec.n_blocks * cfg.schedule.passes
-    gemm = 2 * T * spec.dim * (shape.in_proj_rows(spec) + shape.out_proj_cols(spec)) * calls
-    slots = spec.global_tokens + cfg.cache.window * T
-    attn = 4 * T * slots * shape.attn_width(spec) * calls
-    return gemm, attn
 
 
 class ClockSampler:
@@ -138,62 +115,6 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def floors(model: CharacterDiT, cache: KVCache, device, plan: dict, reps: int = 5) -> dict:
-    """The step's FP8 GEMMs alone (its own weights, pre-quantized activations, the same
-    kernels) and its attention alone (the same kernel, FP8 or the bf16 SDPA backend, over
-    caches of the step's shape rotated past L2), each captured as one CUDA graph of a step's
-    calls."""
-    from charengine import fp8
-
-    spec, cfg = model.spec, model.cfg
-    T = spec.tokens_per_frame
-    g = torch.Generator(device=device).manual_seed(0)
-    a_in = fp8.quantize_rows(torch.randn(T, spec.dim, device=device, generator=g))
-    a_out = fp8.quantize_rows(torch.randn(T, model.A + model.rank.mlp, device=device, generator=g))
-    q = torch.randn(model.rank.heads, T, spec.head_dim, device=device, generator=g).to(model.dtype)
-    kernel = model.ops.attention.kernel
-    fp8_attention = kernel is not None and cache.fp8_kv
-    n = min(8, cache.bp)
-    if fp8_attention:  # the step's kernel over FP8 caches of the step's shape
-        q8, qs = fp8.quantize_rows(q)
-        kv = [(cache.k8[i], cache.v8[i], cache.scale[i, 0], cache.scale[i, 1]) for i in range(n)]
-    else:
-        kv = [(cache.k[i], cache.v[i]) for i in range(n)]
-
-    def gemms():
-        for _ in range(cfg.schedule.passes):
-            for b in range(spec.n_blocks):
-                for (aq, a_s), w in ((a_in, "w_in"), (a_out, "w_out")):
-                    mm = gemm.select(plan.get(w))
-                    mm(aq, a_s, model.w[f"blocks.{b}.{w}.q"], model.w[f"blocks.{b}.{w}.scale"],
-                         model.dtype, cfg.numerics.fast_accum_for(w))
-
-    def attention():
-        for i in range(cfg.schedule.passes * spec.n_blocks):
-            if fp8_attention:
-                kernel(q8, qs, *kv[i % n], model.dtype)
-            else:
-                k, v = kv[i % n]
-                torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])
-
-    out = {}
-    for name, fn in (("fp8_gemm", gemms), ("attention", attention)):
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            graph.replay()
-            marks = [Mark(graph.replay, device) for _ in range(reps)]
-            torch.cuda.synchronize()
-        else:
-            marks = [Mark(fn, device) for _ in range(reps)]
-        times = [m.ms for m in marks]
-        out[f"{name}_ms"] = statistics.median(times)
-    return out
-
-
 def attribute(prof, device) -> tuple[dict, dict]:
     """GPU time (us) and kernel count per component. On the GPU each kernel goes to the innermost labelled
     range around the host call that launched it (matched by correlation id), so kernels
@@ -242,15 +163,17 @@ def attribute(prof, device) -> tuple[dict, dict]:
 
 
 def profile_components(session: Session, steps: int, inputs, device) -> tuple[dict, dict]:
-    """Eager steps under torch.profiler with the model's regions labelled; GPU time per
-    step for each component, the rest as "other"; and (on the GPU) the kernels launched per
-    step for each."""
+    """Eager steps under torch.profiler with the model's regions labelled; time per step for
+    each component, the rest as "other"; and (on the GPU) the kernels launched per step for
+    each. Nothing where the family's model labels no regions."""
     from torch.profiler import ProfilerActivity, profile
 
     model = session.model
+    if not hasattr(model, "annotate"):
+        return {}, {}
     model.annotate = True
     saved = session.step_fn
-    session.step_fn = ar_step
+    session.step_fn = session.graph_step or saved  # eager: the labels are host-side ranges
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(steps):
@@ -268,23 +191,16 @@ def profile_components(session: Session, steps: int, inputs, device) -> tuple[di
     return comps, kernels
 
 
-# kernel name -> component, first match wins (pre-attention before attention)
-KERNEL_KINDS = (("nvjet", "fp8_gemm"), ("Memset", "fp8_gemm_memset"), ("gemm", "fp8_gemm"),
-                ("pre_attention", "pre_attention"), ("attention", "attention"),
-                ("swiglu", "act_quant"), ("norm_modulate", "act_quant"),
-                ("act_quant", "act_quant"), ("delta_rotation", "delta_rotation"))
-
-
-def kernel_kind(name: str) -> str:
-    return next((kind for key, kind in KERNEL_KINDS if key in name), "other")
-
-
-def profile_graphed(session: Session, steps: int, inputs) -> dict:
-    """Graph-replayed steps under torch.profiler: per step, the GPU time of each kind of
-    kernel (by name) at the clock the step really runs at, and the idle time between kernels,
-    charged to the kernel that follows the gap (what each kernel boundary costs)."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_graphed(session: Session, steps: int, inputs, groups) -> dict:
+    """Graph-replayed steps under torch.profiler: per step, the GPU time of each group of
+    kernels (`groups`: the family's name fragments) at the clock the step really runs at,
+    the idle time between kernels charged to the kernel that follows the gap (what each
+    kernel boundary costs), and the kernels that take the most."""
     from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def group(name: str) -> str:
+        return next((g for key, g in groups if key.lower() in name.lower()), "other")
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -293,95 +209,124 @@ def profile_graphed(session: Session, steps: int, inputs) -> dict:
     ev = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
                 if e.device_type() == DeviceType.CUDA)
     busy, gap, count = {}, {}, {}
+    by_name = collections.Counter()
     end = ev[0][0] if ev else 0
     for start, stop, name in ev:
-        kind = kernel_kind(name)
+        kind = group(name)
         busy[kind] = busy.get(kind, 0) + (stop - start)
         gap[kind] = gap.get(kind, 0) + max(0, start - end)
         count[kind] = count.get(kind, 0) + 1
+        by_name[name] += stop - start
         end = max(end, stop)
     ms = 1e-6 / steps
     return {"span_ms": (end - ev[0][0]) * ms if ev else 0.0,
             "busy_ms": {k: v * ms for k, v in busy.items()},
             "gap_before_ms": {k: v * ms for k, v in gap.items()},
             "kernels": {k: v / steps for k, v in count.items()},
-            "busy_total_ms": sum(busy.values()) * ms, "gap_total_ms": sum(gap.values()) * ms}
+            "busy_total_ms": sum(busy.values()) * ms, "gap_total_ms": sum(gap.values()) * ms,
+            "top_kernels_ms": {k: v * ms for k, v in by_name.most_common(TOP_KERNELS)}}
+
+
+def fill_steps(session, shapes, inputs, steady: int, sessions: int, device) -> list[dict]:
+    """Steps 0 .. steady of `sessions` new sessions, each timed: what a session's first
+    steps (the cache filling, the calibration, the first steady one) cost, per step, as a
+    live session steps them."""
+    times = [[] for _ in range(steady + 1)]
+    for _ in range(sessions):
+        session.start(torch.randn(shapes.reference, device=device),
+                      torch.randn(shapes.prompt, device=device))
+        for k in range(steady + 1):
+            x = inputs()
+            with Span(device) as sp:
+                session.step(*x)
+            times[k].append(sp.ms)
+    return [{"step": k, "ms": ms, "ms_p50": median(ms)} for k, ms in enumerate(times)]
 
 
 def engine_session(path: Path, rank: int, engine_kernels: bool = True):
     """TP rank `rank` of the engine at `path` as charrun loads it: runtime/worker.py's Worker
-    over the rank's slice (weights, tables, GEMM plan and compiled kernels, warmed up with its
-    graphs captured). Returns (session, config, GEMM plan)."""
+    (over the rank's slice on a TP engine: weights, tables, GEMM plan and compiled kernels,
+    warmed up with its graphs captured). Returns (session, config, GEMM plan)."""
     from charengine.runtime.engine import Engine
     from charengine.runtime.worker import Worker
 
-    engine = Engine.load(path, ranks=[rank])
-    worker = Worker(engine, rank_slice=rank, engine_kernels=engine_kernels)
-    print(f"engine {path}: rank {rank} ready in {sum(worker.startup[k] for k in ('load_s', 'warm_up_s')):.1f} s, "
+    engine = Engine.load(path, ranks=[rank] if engine_tp(path) > 1 else None)
+    worker = Worker(engine, rank_slice=rank if engine.config.tp > 1 else None,
+                    engine_kernels=engine_kernels)
+    print(f"engine {path}: rank {rank} ready in "
+          f"{sum(worker.startup[k] for k in ('load_s', 'warm_up_s')):.1f} s, "
           f"{worker.compiles} compiled, GEMM plan {engine.gemm_plan(rank)}")
     return worker.session, engine.config, engine.gemm_plan(rank)
 
 
+def engine_tp(path: Path) -> int:
+    return json.loads((path / "manifest.json").read_text())["tp"]
+
+
 def memory_session(args, device):
     """The arm's rank assembled in memory (charengine/assemble.py) from random weights made
-    on the device, with the GEMM plan charbuild would measure on a GPU (builder/bake.py), or
-    the one --gemm-in/--gemm-out name. Returns (session, config, GEMM plan)."""
-    cfg = arm_config(args.arm or "production", args.preset, args.tp)
+    on the device (`bench_rank`), with the GEMM plan charbuild would measure on a GPU, or
+    the one --gemm names. Returns (session, config, GEMM plan)."""
+    base = preset(args.preset, tp=args.tp)
+    fam = family_of(base)
+    cfg = fam.arm(base, args.arm)
     if args.fast_accum is not None:
         linears = () if args.fast_accum == "none" else tuple(args.fast_accum.split(","))
         cfg = cfg.replace(numerics=dataclasses.replace(
-            cfg.numerics, fast_accum=bool(linears), fast_accum_linears=linears or LINEARS))
+            cfg.numerics, fast_accum=bool(linears), fast_accum_linears=linears or None))
     if args.switches:
         cfg = cfg.replace(switches=dataclasses.replace(cfg.switches,
-                                                       **parse_switches(args.switches)))
-    spec = cfg.model
-    shape = RankShape.of(spec, args.tp, args.rank)
+                                                       **parse_switches(cfg, args.switches)))
     mapping = Mapping(args.tp, args.rank, str(device), str(device), alone=True)
     with torch.inference_mode():
-        state, adaln_w = random_rank_state(spec, shape, args.seed, device,
-                                           getattr(torch, cfg.numerics.dtype),
-                                           keep_adaln_weights=not cfg.switches.baked_adaln)
-        tables = bake_adaln(cfg, adaln_w)
-        del adaln_w
-        plan = {k: c for k, c in (("w_in", args.gemm_in), ("w_out", args.gemm_out)) if c}
-        if device.type == "cuda" and not plan:
+        state, tables = fam.bench_rank(cfg, args.seed, device, args.rank)
+        plan = dict(item.split("=", 1) for item in args.gemm.split(",")) if args.gemm else {}
+        if device.type == "cuda" and not plan and cfg.numerics.fp8_gemm:
             from charengine.builder.bake import gemm_plan
 
             plan, _ = gemm_plan(cfg, state, mapping)
-        tiles = AttentionTiles.parse(args.attention_tiles) if args.attention_tiles else None
+        extra = {}
+        if args.attention_tiles:
+            from charengine.plugins.attention import AttentionTiles
+
+            extra["attention_tiles"] = AttentionTiles.parse(args.attention_tiles)
         session = rank_session(cfg, state, mapping, tables=tables, gemm_plan=plan,
-                               graphed=device.type == "cuda" and not args.no_graphs,
-                               attention_tiles=tiles)
+                               graphed=device.type == "cuda" and not args.no_graphs, **extra)
+        if device.type == "cuda" and not args.no_graphs:
+            fam.warm_up(session)  # its graphs captured and uploaded, as charrun's warm-up
     return session, cfg, plan
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", type=Path, default=None,
-                    help="an engine directory: its rank --rank loaded as charrun loads it")
+                    help="an engine directory from charbuild (a TP engine's rank files: "
+                         "--ranks R); the rank measured is --rank")
     ap.add_argument("--preset", default="characters-57b")
-    ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--arm", default=None, help="the switch arm (default: production)",
-                    choices=["production", "baseline", *Switches.ORDER])
+    ap.add_argument("--arm", default=None, help="the family's arm (default: production)")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--exclude", type=int, default=60, help="first steps left out of steady state")
-    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--exclude", type=int, default=None,
+                    help="first steps left out of the steady figures (default: the family's "
+                         "first steady step and one more)")
+    ap.add_argument("--profile-steps", type=int, default=2,
+                    help="eager steps profiled by region (where the family's model labels them)")
     ap.add_argument("--profile-graph-steps", type=int, default=3,
-                    help="graph-replayed steps profiled for kernel time and gaps (GPU only)")
+                    help="graph-replayed steps profiled by kernel (on a GPU)")
+    ap.add_argument("--fill-sessions", type=int, default=0,
+                    help="new sessions whose first steps are timed")
     ap.add_argument("--no-graphs", action="store_true", help="eager steps (no CUDA graphs)")
     ap.add_argument("--switches", default=None, metavar="NAME=0|1,...",
-                    help="switches set on top of the arm's, e.g. gemm_residual=1")
+                    help="switches of the arm turned on or off")
     ap.add_argument("--fast-accum", default=None, metavar="LINEARS",
-                    help="FP8 fast accumulation on these block linears (w_in,w_out; w_in; "
-                         "none: every partial sum promoted); default: the preset's numerics")
+                    help="FP8 GEMMs without promoted sums on these linears (none: on none)")
     ap.add_argument("--attention-tiles", default=None,
-                    help="FP8 attention kernel tiles, e.g. 128,128,8,3,bf16,tma")
-    ap.add_argument("--gemm-in", default=None, metavar="CHOICE",
-                    help="the input projection's GEMM, as an engine's plan records it "
-                         "(scaled_mm, triton, triton:<GemmTiles spec>)")
-    ap.add_argument("--gemm-out", default=None, metavar="CHOICE",
-                    help="the output projection's GEMM (as --gemm-in)")
+                    help="the attention kernel's tiles (plugins/attention.AttentionTiles.parse)")
+    ap.add_argument("--gemm", default=None, metavar="KIND=CHOICE,...",
+                    help="a GEMM choice (plugins/gemm.py) per linear kind, as an engine's "
+                         "plan gives them (default: the plan charbuild would measure)")
     ap.add_argument("--tag", default="", help="suffix of the result file's arm name")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--gpu-tag", default="h200")
@@ -395,21 +340,23 @@ def main():
     if args.engine is not None:
         session, cfg, plan = engine_session(args.engine, args.rank, engine_kernels=True)
         args.preset, args.tp, args.arm = cfg.model.name, cfg.tp, args.arm or "engine"
-        device = session.cache.step.device
+        device = session.device
     else:
         args.arm = args.arm or "production"
         session, cfg, plan = memory_session(args, device)
-    model, cache = session.model, session.cache
-    spec, shape = cfg.model, model.rank
+    fam = family_of(cfg)
+    spec = cfg.model
     graphed = device.type == "cuda" and not args.no_graphs
     build_s = time.perf_counter() - t0
-
+    steady_from = fam.steady_from(cfg)
+    exclude = steady_from + 1 if args.exclude is None else args.exclude
+    shapes = fam.step_shapes(spec)
     g = torch.Generator(device=device).manual_seed(args.seed + 1)
-    lat = (spec.latent_channels, spec.latent_h, spec.latent_w)
 
     def inputs():
-        return (torch.randn(lat, device=device, generator=g),
-                torch.randn(spec.audio_tokens, spec.audio_dim, device=device, generator=g))
+        """A step's noise and audio features, on the device before the step is timed."""
+        return (torch.randn(shapes.noise_shape, device=device, generator=g),
+                torch.randn(shapes.features, device=device, generator=g))
 
     backends = None
     if device.type == "cuda":
@@ -419,23 +366,24 @@ def main():
         backends.__enter__()
 
     with torch.inference_mode():
-        ref = torch.randn(lat, device=device, generator=g)
-        prompt = torch.randn(spec.prompt_tokens, spec.text_dim, device=device, generator=g)
+        ref = torch.randn(shapes.reference, device=device, generator=g)
+        prompt = torch.randn(shapes.prompt, device=device, generator=g)
         t1 = time.perf_counter()
         session.start(ref, prompt)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start_s = time.perf_counter() - t1
-        marks, host = [], []
+        marks, host, resets = [], [], []
         sync_checked = False
         clocks = ClockSampler(device.index or 0) if device.type == "cuda" else None
         if clocks is not None:
             clocks.__enter__()
         for k in range(args.steps):
-            steady = graphed and k > cfg.cache.calibration_steps + 1
-            if steady and not sync_checked:
-                torch.cuda.set_sync_debug_mode("error")
+            if graphed and k > steady_from and not sync_checked:
+                torch.cuda.set_sync_debug_mode("error")  # no host sync inside a steady step
                 sync_checked = True
+            if session.rule.resets_at(session.cache, k):
+                resets.append(k)
             x = inputs()
             h0 = time.perf_counter()
             marks.append(Mark(lambda: session.step(*x), device))
@@ -448,37 +396,52 @@ def main():
         period = [diffusion[0]] + [marks[k].since(marks[k - 1]) for k in range(1, len(marks))]
         comps, kernels = profile_components(session, args.profile_steps, inputs, device) \
             if args.profile_steps else ({}, {})
-        graphed_profile = profile_graphed(session, args.profile_graph_steps, inputs) \
+        graphed_profile = profile_graphed(session, args.profile_graph_steps, inputs,
+                                          fam.kernel_groups()) \
             if graphed and args.profile_graph_steps else None
-        fl = floors(model, cache, device, plan)
+        fill = fill_steps(session, shapes, inputs, steady_from, args.fill_sessions, device) \
+            if args.fill_sessions else None
+        try:
+            floors_mod = importlib.import_module(f"floors_{fam.name}")
+        except ModuleNotFoundError:
+            floors_mod = None
+        measured = floors_mod.measured_floors(session, device, plan) if floors_mod else None
     if backends is not None:
         backends.__exit__(None, None, None)
 
-    P = cfg.cache.reset_period
-    steady = range(args.exclude, args.steps)
-    resets = [diffusion[k] for k in range(cfg.cache.calibration_steps + 2, args.steps) if k % P == 0]
+    steady = range(exclude, args.steps)
+    reset_ms = [diffusion[k] for k in resets if k >= exclude]
     d_st, p_st = [diffusion[k] for k in steady], [period[k] for k in steady]
-    gemm_f, attn_f = step_flops(cfg, shape)
+    flops = fam.step_flops(cfg, args.rank)
     d50 = pct(d_st, 50)
-    frames = cfg.model.frames_per_latent
+    frames = spec.frames_per_latent
+    gemm_peak = DENSE_TFLOPS["fp8" if cfg.numerics.fp8_gemm else "bf16"]
+    attn_peak = DENSE_TFLOPS["fp8" if cfg.numerics.fp8_attention else "bf16"]
+    floors = {"gemm_ms": flops["gemm"] / gemm_peak / 1e9,
+              "attention_ms": flops["attention"] / attn_peak / 1e9}
     result = {
-        "preset": args.preset, "layout": f"tp{args.tp}-rank{args.rank}" if args.tp > 1 else "tp1",
+        "preset": args.preset, "family": fam.name,
+        "layout": f"tp{args.tp}-rank{args.rank}" if args.tp > 1 else "tp1",
         "gpu": args.gpu_tag, "arm": args.arm + args.tag, "run": args.run,
         "attention_tiles": args.attention_tiles, "gemm_plan": plan,
-        "switches": cfg.switches.__dict__, "numerics": cfg.numerics.__dict__,
-        "graphs": graphed, "steps": args.steps, "exclude": args.exclude,
+        "switches": dataclasses.asdict(cfg.switches),
+        "numerics": dataclasses.asdict(cfg.numerics),
+        "graphs": graphed, "steps": args.steps, "exclude": exclude,
         "diffusion_p50_ms": d50, "diffusion_p90_ms": pct(d_st, 90),
         "period_p50_ms": pct(p_st, 50), "period_p90_ms": pct(p_st, 90),
-        "reset_step_ms": statistics.median(resets) if resets else None,
+        "reset_step_ms": statistics.median(reset_ms) if reset_ms else None,
         "capacity_fps": 1000 * frames / pct(p_st, 50),
         "sustained_fps": 1000 * frames * len(p_st) / sum(p_st),
         "host_step_p50_ms": 1e3 * pct([host[k] for k in steady], 50),
-        "tflops_per_gpu": (gemm_f + attn_f) / (d50 / 1e3) / 1e12,
-        "pct_dense_fp8_peak": 100 * (gemm_f + attn_f) / (d50 / 1e3) / 1e12 / DENSE_FP8_PEAK_TFLOPS,
-        "step_tflop": {"gemm": gemm_f / 1e12, "attention": attn_f / 1e12},
+        "step_tflop": {k: v / 1e12 for k, v in flops.items()},
+        "tflops": sum(flops.values()) / (d50 / 1e3) / 1e12,
+        "floors_at_dense_peak_ms": floors,
+        "step_over_dense_floor": d50 / sum(floors.values()),
         "components_ms": comps, "kernels_per_step": kernels,
-        "graphed_step_profile": graphed_profile, "floors_ms": fl,
-        "step_over_floor": d50 / (fl["fp8_gemm_ms"] + fl["attention_ms"]),
+        "graphed_step_profile": graphed_profile, "fill_steps": fill,
+        "floors_ms": measured,
+        "step_over_floor": d50 / (measured["fp8_gemm_ms"] + measured["attention_ms"])
+        if measured else None,
         "build_s": build_s, "session_start_s": start_s,
         "sync_debug_mode_checked": sync_checked,
         "clocks_during_steps": clocks.summary if clocks is not None else None,
@@ -486,23 +449,32 @@ def main():
         "diffusion_ms": diffusion, "period_ms": period,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"bench_{args.preset}_{result['layout']}_{args.gpu_tag}_{result['arm']}_{args.run}.json"
+    name = (f"session_{args.preset}_{result['layout']}_{args.gpu_tag}_{result['arm']}_"
+            f"{args.run}.json")
     (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
     keys = ("diffusion_p50_ms", "diffusion_p90_ms", "period_p50_ms", "period_p90_ms",
-            "reset_step_ms", "capacity_fps", "sustained_fps", "tflops_per_gpu",
-            "pct_dense_fp8_peak", "step_over_floor")
+            "reset_step_ms", "capacity_fps", "sustained_fps", "tflops",
+            "step_over_dense_floor", "step_over_floor")
     print(f"{args.arm} run {args.run}: " + ", ".join(
         f"{k}={result[k]:.2f}" for k in keys if result[k] is not None))
-    print("components (ms/step): " + ", ".join(f"{k}={v:.2f}" for k, v in comps.items()))
+    if comps:
+        print("components (ms/step): " + ", ".join(f"{k}={v:.2f}" for k, v in comps.items()))
     if kernels:
         print("kernels per step: " + ", ".join(f"{k}={v:.0f}" for k, v in kernels.items()))
-    print("floors (ms/step): " + ", ".join(f"{k}={v:.2f}" for k, v in fl.items()))
+    print("floors at the dense peaks (ms/step): " + ", ".join(
+        f"{k}={v:.2f}" for k, v in floors.items()))
+    if measured:
+        print("floors measured (ms/step): " + ", ".join(
+            f"{k}={v:.2f}" for k, v in measured.items()))
     if graphed_profile:
         gp = graphed_profile
         print(f"graphed step: span {gp['span_ms']:.2f} ms, kernels {gp['busy_total_ms']:.2f}, "
-              f"gaps {gp['gap_total_ms']:.2f}; per kind (busy / gaps before / count): " + ", ".join(
-                  f"{k}={gp['busy_ms'][k]:.2f}/{gp['gap_before_ms'][k]:.2f}/{gp['kernels'][k]:.0f}"
-                  for k in gp["busy_ms"]))
+              f"gaps {gp['gap_total_ms']:.2f}; per group (busy / gaps before / count): "
+              + ", ".join(f"{k}={gp['busy_ms'][k]:.2f}/{gp['gap_before_ms'][k]:.2f}/"
+                          f"{gp['kernels'][k]:.0f}" for k in gp["busy_ms"]))
+    for f in fill or ():
+        print(f"step {f['step']} of a new session: {f['ms_p50']:.1f} ms (runs "
+              f"{', '.join(f'{x:.1f}' for x in f['ms'])})")
     if result["clocks_during_steps"]:
         print("clocks during the steps: " + ", ".join(
             f"{k}={v:.2f}" for k, v in result["clocks_during_steps"].items()))

@@ -1,8 +1,9 @@
 """LiveTalk-1.3B's figures against the goals it is held to, gathered from the raw results of
 the scripts that measure them (one JSON each, in docs/results/livetalk/): the diffusion and
-its attention kernels from scripts/livetalk_profile.py (a graphed steady chunk measured whole), the live latency,
-first frames and unpaced capacity from scripts/livetalk_latency.py (medians over its runs),
-start-up from scripts/bench_startup.py (its `engine` variant), the decoder alone from scripts/livetalk_decoder.py.
+its attention kernels from scripts/bench_session.py (graphed steady chunks, profiled), the
+live latency, first frames and unpaced capacity from scripts/livetalk_latency.py (medians
+over its runs), start-up from scripts/bench_startup.py (its `engine` variant), the decoder
+alone from scripts/livetalk_decoder.py.
 
     python scripts/livetalk_goals.py --profile P.json --latency L1.json L2.json L3.json \\
         --startup S.json --decoder D.json --out docs/results/livetalk/goals_livetalk-1.3b_h200.json
@@ -52,13 +53,14 @@ def main():
     def med(key):
         return statistics.median(r[key] for r in runs)
 
-    attention_ms = sum(ms for name, ms in prof["top_kernels_ms"].items()
+    graphed = prof["graphed_step_profile"]
+    attention_ms = sum(ms for name, ms in graphed["top_kernels_ms"].items()
                        if name.startswith(ATTENTION_KERNELS))
     figures = {
-        "diffusion_p50_ms": prof["chunk_ms_p50"],
-        "diffusion_kernel_ms": prof["kernel_ms_per_chunk"],
+        "diffusion_p50_ms": prof["diffusion_p50_ms"],
+        "diffusion_kernel_ms": graphed["busy_total_ms"],
         "attention_ms": attention_ms,
-        "attention_tflops": prof["attention_tflop"] / attention_ms * 1e3,
+        "attention_tflops": prof["step_tflop"]["attention"] / attention_ms * 1e3,
         "capacity_fps": med("capacity_fps"),
         "latency_p50_ms": med("latency_p50_ms"),
         "latency_p90_ms": med("latency_p90_ms"),

@@ -123,3 +123,22 @@ def test_the_characters_waterfall_and_a_long_sessions_drift(tmp_path):
     d = json.loads((tmp_path / "long.json").read_text())
     assert d["resets"] == 1 and d["steady_steps"] == 44  # step 42 resets
     assert 0 < d["drift"]["fp32_plain:fp32"]["max"] < 1e-5
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-livetalk"])
+def test_where_a_steps_time_goes_for_either_family(tmp_path, name):
+    """bench_session.py on a CPU: the steps timed after the family's first steady one, the
+    step's FLOPs from the family, a new session's first steps, and (where the family's model
+    labels its regions, the characters family's) the regions' times and the floors measured
+    alone."""
+    script("bench_session.py", "--preset", name, "--device", "cpu", "--gpu-tag", "cpu",
+           "--steps", 12, "--profile-steps", 1, "--profile-graph-steps", 0,
+           "--fill-sessions", 1, "--out", tmp_path)
+    d = json.loads((tmp_path / f"session_{name}_tp1_cpu_production_1.json").read_text())
+    assert len(d["diffusion_ms"]) == 12 and 0 < d["diffusion_p50_ms"] < math.inf
+    assert d["step_tflop"]["gemm"] > 0 and d["step_tflop"]["attention"] > 0
+    assert [f["step"] for f in d["fill_steps"]] == list(range(len(d["fill_steps"])))
+    if name == "tiny":
+        assert d["components_ms"]["total"] > 0 and d["floors_ms"]["fp8_gemm_ms"] > 0
+    else:
+        assert d["components_ms"] == {} and d["floors_ms"] is None

@@ -138,3 +138,39 @@ def numerics_session(cfg, name: str, weights: dict, device, rank: int):
                                                        **NUMERICS_VARIANTS[name]))
     return rank_session(cfg, weights["state"], mapping, tables=weights["tables"],
                         graphed=False, attention_tiles=tiles)
+
+
+# What the benchmarks count: a step's FLOPs and its kernels by kind (name fragment -> kind,
+# the first match winning: pre-attention before attention)
+KERNEL_GROUPS = (("nvjet", "fp8_gemm"), ("Memset", "fp8_gemm_memset"), ("gemm", "fp8_gemm"),
+                 ("pre_attention", "pre_attention"), ("attention", "attention"),
+                 ("swiglu", "act_quant"), ("norm_modulate", "act_quant"),
+                 ("act_quant", "act_quant"), ("delta_rotation", "delta_rotation"))
+
+
+def step_flops(cfg, rank: int) -> dict[str, float]:
+    """FLOP of one AR step on TP rank `rank`: its block linears and its attention."""
+    from .spec import RankShape
+
+    spec, T = cfg.model, cfg.model.tokens_per_frame
+    shape = RankShape.of(spec, cfg.tp, rank)
+    calls = spec.n_blocks * cfg.schedule.passes
+    gemm = 2 * T * spec.dim * (shape.in_proj_rows(spec) + shape.out_proj_cols(spec)) * calls
+    slots = spec.global_tokens + cfg.cache.window * T
+    return {"gemm": gemm, "attention": 4 * T * slots * shape.attn_width(spec) * calls}
+
+
+def bench_rank(cfg, seed: int, device, rank: int) -> tuple[dict, dict]:
+    """The rank's quantized state made directly on the device, one tensor at a time, and its
+    AdaLN tables (the AdaLN weights, 10.6B parameters at characters-57b, kept only where
+    the tables are not baked)."""
+    import torch
+
+    from .model import bake_adaln
+    from .spec import RankShape
+    from .weights import random_rank_state
+
+    state, adaln_w = random_rank_state(cfg.model, RankShape.of(cfg.model, cfg.tp, rank), seed,
+                                       device, getattr(torch, cfg.numerics.dtype),
+                                       keep_adaln_weights=not cfg.switches.baked_adaln)
+    return state, bake_adaln(cfg, adaln_w)

@@ -133,3 +133,34 @@ def numerics_session(cfg, name: str, weights: dict, device, rank: int):
     full = weights["full"] if arm_cfg.numerics.fp8_gemm else weights["dequantized"]
     return rank_session(arm_cfg, FAMILY.rank_state(arm_cfg, full), Mapping.single(str(device)),
                         tables=FAMILY.bake_tables(arm_cfg, full), graphed=False)
+
+
+# What the benchmarks count: a chunk's FLOPs and its kernels by group (name fragment ->
+# group, the first match winning)
+KERNEL_GROUPS = (("pre_attention", "pre-attention"), ("attention_tma_kernel", "fp8 attention"),
+                 ("attention_kernel", "fp8 attention"), ("attention_split", "fp8 attention"),
+                 ("attention_merge", "fp8 attention"), ("attention_pipelined", "fp8 attention"),
+                 ("flash", "sdpa attention"), ("fmha", "sdpa attention"),
+                 ("cudnn", "sdpa attention"), ("nvjet", "gemm"), ("gemm", "gemm"),
+                 ("sm90_xmma", "gemm"), ("cutlass", "gemm"), ("quant", "quantization"),
+                 ("norm", "norms"), ("index", "cache write"), ("elementwise", "elementwise"),
+                 ("reduce", "reductions"), ("cat", "copies"), ("copy", "copies"))
+
+
+def step_flops(cfg, rank: int) -> dict[str, float]:
+    """A steady chunk's GEMM and self-attention FLOP (its passes and the commit pass)."""
+    spec = cfg.model
+    T, d, f, L = spec.chunk_tokens, spec.dim, spec.ffn_dim, spec.n_blocks
+    forwards = cfg.schedule.passes + 1
+    gemm = 2 * T * L * (4 * d * d + 2 * d * d + 2 * d * f) * forwards
+    S = spec.cache_frames * spec.frame_tokens
+    return {"gemm": gemm, "attention": 4 * T * S * spec.head_dim * spec.n_heads * L * forwards}
+
+
+def bench_rank(cfg, seed: int, device, rank: int) -> tuple[dict, dict]:
+    """The engine state and tables of random weights drawn fast on the device."""
+    from . import FAMILY
+    from .weights import device_random_weights
+
+    full = device_random_weights(cfg.model, seed, device)
+    return FAMILY.rank_state(cfg, full), FAMILY.bake_tables(cfg, full)
