@@ -2,8 +2,8 @@
 test's own, on the tiny engines of both families and a TP-2 engine (its sessions through the
 same rank processes): three sessions stream at once from one process and one copy of the
 engine; the fourth offer is answered 503 with Retry-After and /readyz reads busy; a
-session's id acts on that session only; stopping one leaves the others streaming and frees
-its place."""
+session's id acts on that session only; stopping one, a barge-in on another and a client that
+vanishes leave the others streaming, and each frees its place."""
 
 import json
 import subprocess
@@ -147,6 +147,16 @@ def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tm
         assert status == 200 and ready["state"] == "ready", ready
         status, _, body = request(netns, PAGE + "/interrupt", {"session": ids[0]})
         assert status == 404, body  # an ended session's id acts on nothing
+        # a barge-in on one session, and a client that vanishes: the other streams on
+        status, _, body = request(netns, PAGE + "/interrupt", {"session": ids[1]})
+        assert status == 200, body
+        clients[1].p.kill()  # no goodbye: the server hears no more receiver reports
+        before = clients[2].frames()
+        assert wait(lambda: request(netns, PAGE + "/status")[2]["active"] == 1, 30)
+        assert wait(lambda: clients[2].frames() >= before + 2 * fps, 60), clients[2].frames()
+        assert clients[2].first("connection") and not any(
+            s["kind"] == "connection" and s["state"] in ("closed", "failed")
+            for s in clients[2].said), clients[2].said
     finally:
         for c in clients:
             c.p.kill()
