@@ -5,7 +5,8 @@ Three commands (the extra `pipecat` installs Pipecat with its WebRTC transport a
 development runner; the tiny engine runs on a CPU):
 
     pip install -e '.[pipecat]'
-    charrun --engine engines/cpu-tiny --serve --port 8080 &
+    charbuild --target cpu-tiny --out engines/cpu-tiny &&
+        charrun --engine engines/cpu-tiny --serve --port 8080 &
     python examples/pipecat_bot.py --charrun http://127.0.0.1:8080/ --image assets/face.png
 
 then open http://localhost:7860/client/ (Pipecat's prebuilt page) and press Connect. The
