@@ -114,12 +114,16 @@ def child(args) -> None:
         worker = open_worker(engine)
     ready_in_process = time.perf_counter() - t0
     kernels = getattr(worker, "kernels", None)
+    # a worker whose ranks run in processes of their own compiles and holds its DiT there:
+    # here its decoder's device, and no compiles of its own
+    device = getattr(worker, "device", worker.decoder_device)
+    compiles = getattr(worker, "compiles", 0)
     print("READY " + json.dumps({
         "imports_at": imports_at, "import_s": imported - imports_at, "check_s": checked,
         "ready_in_process_s": ready_in_process, **worker.startup,
-        "compiles": worker.compiles,
+        "compiles": compiles,
         "compiled": sorted(set(kernels.compiled)) if kernels is not None else [],
-        "memory_at_ready": gpu_memory(torch, worker.device)}), flush=True)
+        "memory_at_ready": gpu_memory(torch, device)}), flush=True)
 
     spec, fam = engine.config.model, worker.family
     g = torch.Generator().manual_seed(0)
@@ -144,7 +148,7 @@ def child(args) -> None:
     step_ms = []
     session = getattr(worker, "session", None)
     if session is not None and args.steps:
-        dev, shapes = worker.device, fam.step_shapes(spec)
+        dev, shapes = device, fam.step_shapes(spec)
         with torch.inference_mode():
             session.start(torch.randn(shapes.reference, device=dev),
                           torch.randn(shapes.prompt, device=dev))
@@ -155,8 +159,8 @@ def child(args) -> None:
                     session.step(noise, feats)
                 step_ms.append(span.ms)
     print("DONE " + json.dumps({"sessions": sessions, "step_ms": step_ms,
-                                "compiles": worker.compiles,
-                                "memory_after_sessions": gpu_memory(torch, worker.device)}),
+                                "compiles": getattr(worker, "compiles", 0),
+                                "memory_after_sessions": gpu_memory(torch, device)}),
           flush=True)
     worker.close()
 
