@@ -35,6 +35,18 @@ def met(value: float, goal: tuple[str, float]) -> bool:
     return {"<=": value <= bound, ">=": value >= bound, "<": value < bound}[op]
 
 
+def profile_figures(prof: dict) -> tuple[float, float, dict, float]:
+    """(diffusion p50 ms, kernel ms a chunk, the top kernels' ms, attention TFLOP) from
+    bench_session.py's result, or from a profile recorded before that script served both
+    families."""
+    if "graphed_step_profile" in prof:
+        g = prof["graphed_step_profile"]
+        return (prof["diffusion_p50_ms"], g["busy_total_ms"], g["top_kernels_ms"],
+                prof["step_tflop"]["attention"])
+    return (prof["chunk_ms_p50"], prof["kernel_ms_per_chunk"], prof["top_kernels_ms"],
+            prof["attention_tflop"])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,20 +59,22 @@ def main():
     args = ap.parse_args()
     prof = json.loads(args.profile.read_text())
     runs = [json.loads(p.read_text()) for p in args.latency]
-    start = json.loads(args.startup.read_text())["variants"]["engine"]
+    start = json.loads(args.startup.read_text())
+    # bench_startup.py's result (its `engine` variant), or one recorded before that script
+    # served both families (the figures at its top level)
+    start = start["variants"]["engine"] if "variants" in start else start
     dec = json.loads(args.decoder.read_text())["arms"][args.decoder_arm]
 
     def med(key):
         return statistics.median(r[key] for r in runs)
 
-    graphed = prof["graphed_step_profile"]
-    attention_ms = sum(ms for name, ms in graphed["top_kernels_ms"].items()
-                       if name.startswith(ATTENTION_KERNELS))
+    diffusion_ms, kernel_ms, top, attention_tflop = profile_figures(prof)
+    attention_ms = sum(ms for name, ms in top.items() if name.startswith(ATTENTION_KERNELS))
     figures = {
-        "diffusion_p50_ms": prof["diffusion_p50_ms"],
-        "diffusion_kernel_ms": graphed["busy_total_ms"],
+        "diffusion_p50_ms": diffusion_ms,
+        "diffusion_kernel_ms": kernel_ms,
         "attention_ms": attention_ms,
-        "attention_tflops": prof["step_tflop"]["attention"] / attention_ms * 1e3,
+        "attention_tflops": attention_tflop / attention_ms * 1e3,
         "capacity_fps": med("capacity_fps"),
         "latency_p50_ms": med("latency_p50_ms"),
         "latency_p90_ms": med("latency_p90_ms"),
