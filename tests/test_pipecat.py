@@ -202,6 +202,31 @@ def test_a_lost_connection_is_opened_again_and_the_turn_plays_there(served):
     assert wait(lambda: status(served)["active"] == 0, 10), status(served)
 
 
+def test_the_speech_track_owes_silence_after_a_barge_in():
+    """After clear() (a barge-in) the track sends SILENCE_AFTER_CLEAR silent frames before
+    any speech pushed meanwhile: the server drops the speech in flight up to the first."""
+    import asyncio
+
+    from charengine.pipecat.client import SILENCE_AFTER_CLEAR, SpeechTrack
+
+    track = SpeechTrack(16000)
+    loud = np.full(320 * 4, 1000, np.int16)
+
+    async def frames(n):
+        return [int(np.abs((await track.recv()).to_ndarray()).max()) for _ in range(n)]
+
+    async def run():
+        track.push(loud)
+        first = await frames(2)
+        assert track.clear() == 320 * 2
+        track.push(loud)  # the next turn, at once
+        return first, await frames(SILENCE_AFTER_CLEAR + 2)
+
+    first, after = asyncio.run(run())
+    assert first == [1000, 1000]
+    assert after == [0] * SILENCE_AFTER_CLEAR + [1000, 1000]
+
+
 def test_a_server_that_does_not_answer_is_an_error_frame_and_the_voice_goes_on(tmp_path):
     """No server at the URL (no namespace needed): one ErrorFrame saying so, at once; the
     bot's speech passes through as it came."""

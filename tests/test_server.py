@@ -395,7 +395,8 @@ def test_a_live_session_reports_its_states_and_the_latency_of_its_speech(engines
 
 def test_a_barge_in_that_drops_the_speech_in_flight_drops_it_up_to_the_first_silence():
     """/interrupt with "in_flight": "drop": the microphone's frames still arriving loud are
-    dropped; from its first silent frame on, everything is heard again."""
+    dropped; from its first silent frame on, everything is heard again; and a client that
+    sends no silence is heard again once the cap's worth is dropped."""
     import asyncio
     from types import SimpleNamespace
 
@@ -412,20 +413,24 @@ def test_a_barge_in_that_drops_the_speech_in_flight_drops_it_up_to_the_first_sil
         f.sample_rate, f.pts = rate, pts
         return f
 
-    levels = [0.5, 0.5, 0.0, 0.5, 0.25]
-    frames = [frame(v, i * 320) for i, v in enumerate(levels)]
+    def heard_of(levels, hush):
+        frames = [frame(v, i * 320) for i, v in enumerate(levels)]
 
-    class Track:
-        async def recv(self):
-            if not frames:
-                raise RuntimeError("ended")
-            return frames.pop(0)
+        class Track:
+            async def recv(self):
+                if not frames:
+                    raise RuntimeError("ended")
+                return frames.pop(0)
 
-    heard = []
-    served = Served("t", 1, 0, SimpleNamespace(say=lambda x: heard.append(float(x.abs().max()))),
-                    None, hush=True)
-    this = SimpleNamespace(worker=SimpleNamespace(spec=SimpleNamespace(
-        side=SimpleNamespace(sample_rate=rate))))
-    asyncio.run(Server._microphone(this, Track(), served))
-    assert not served.hush
-    assert [round(h, 2) for h in heard] == [0.0, 0.5, 0.25]
+        heard = []
+        served = Served("t", 1, 0, SimpleNamespace(
+            say=lambda x: heard.append(round(float(x.abs().max()), 2))), None, hush=hush)
+        this = SimpleNamespace(worker=SimpleNamespace(spec=SimpleNamespace(
+            side=SimpleNamespace(sample_rate=rate))))
+        asyncio.run(Server._microphone(this, Track(), served))
+        return heard, served.hush
+
+    assert heard_of([0.5, 0.5, 0.0, 0.5, 0.25], rate) == ([0.0, 0.5, 0.25], 0)
+    # no silence comes: the frames that begin within the cap's 700 samples are dropped (three
+    # of 320), then it is heard
+    assert heard_of([0.5, 0.5, 0.5, 0.25, 0.5], 700) == ([0.25, 0.5], 0)

@@ -33,6 +33,9 @@ from aiortc.mediastreams import MediaStreamError
 log = logging.getLogger("charengine.pipecat")
 
 SPEECH_FRAME_S = 0.02  # the speech track's frames: one Opus packet each
+# silent frames a barge-in's clear owes before any new speech: the server drops what arrives
+# loud up to its first silent frame, and Opus's decoder carries a frame's tail into the next
+SILENCE_AFTER_CLEAR = 3
 HTTP_TIMEOUT_S = 30.0  # an offer carries the image: a large one takes a moment to decode
 CONNECT_TIMEOUT_S = 10.0  # from the answer to the peer connected
 STOP_TIMEOUT_S = 5.0  # /stop at the end: the server frees the session even if it never comes
@@ -99,7 +102,9 @@ def image_data_url(image: str | Path | bytes | None) -> tuple[str | None, str | 
 class SpeechTrack(MediaStreamTrack):
     """The audio the bot sends: 16-bit mono samples at the engine's rate, given by `push`,
     sent in SPEECH_FRAME_S frames paced at real time from the first one, silence where
-    nothing waits (the server hears a microphone: speech, then quiet between turns)."""
+    nothing waits (the server hears a microphone: speech, then quiet between turns). After
+    `clear` (a barge-in) SILENCE_AFTER_CLEAR silent frames go first, whatever is pushed
+    meanwhile: the server's sign that what follows was said after the barge-in."""
 
     kind = "audio"
 
@@ -111,6 +116,7 @@ class SpeechTrack(MediaStreamTrack):
         self.queued = 0  # samples waiting
         self.sent = 0  # samples sent (the next frame's pts)
         self.t0: float | None = None
+        self.silence_owed = 0  # frames of silence before the next speech (after a clear)
 
     def push(self, pcm: np.ndarray) -> None:
         pcm = np.asarray(pcm, dtype=np.int16).reshape(-1)
@@ -122,6 +128,7 @@ class SpeechTrack(MediaStreamTrack):
         """Drop what waits (a barge-in); returns how many samples."""
         dropped, self.queued = self.queued, 0
         self.waiting.clear()
+        self.silence_owed = SILENCE_AFTER_CLEAR
         return dropped
 
     @property
@@ -152,8 +159,12 @@ class SpeechTrack(MediaStreamTrack):
         wait = self.t0 + self.sent / self.rate - now
         if wait > 0:
             await asyncio.sleep(wait)
-        frame = av.AudioFrame.from_ndarray(self._take(self.chunk)[None], format="s16",
-                                           layout="mono")
+        if self.silence_owed:
+            self.silence_owed -= 1
+            pcm = np.zeros(self.chunk, np.int16)
+        else:
+            pcm = self._take(self.chunk)
+        frame = av.AudioFrame.from_ndarray(pcm[None], format="s16", layout="mono")
         frame.sample_rate = self.rate
         frame.pts, frame.time_base = self.sent, Fraction(1, self.rate)
         self.sent += self.chunk

@@ -75,6 +75,10 @@ MAX_CHANNEL_MESSAGE = 4096  # the longest message the events channel reads
 # what a 503 at capacity tells the client to wait: a session is minutes long, so a freed
 # lane is found by trying again now and then
 FULL_RETRY_AFTER_S = 5
+# the most of a microphone's audio a barge-in's "in_flight": "drop" drops: more than what
+# sits between a client and the session (a receiver's jitter buffer, 4 packets of 20 ms, and
+# a packet or two on the way), so a client that never sends silence is heard again soon
+IN_FLIGHT_MAX_S = 0.5
 STATIC = "static"  # the page's files, package data of charengine.runtime
 
 
@@ -179,9 +183,10 @@ class Served:
     pc: RTCPeerConnection
     events: object = None
     tasks: list = field(default_factory=list)
-    # a barge-in asked the microphone's audio already on its way to be dropped: it is, up to
-    # its first silent frame (what the client sends once it has cleared its own queue)
-    hush: bool = False
+    # a barge-in asked the microphone's audio already on its way to be dropped: samples left
+    # to drop, up to its first silent frame (what the client sends once it has cleared its
+    # own queue); the frames that begin within IN_FLIGHT_MAX_S of it at most
+    hush: int = 0
 
 
 def _checked_str(body: dict, key: str, default=None):
@@ -528,10 +533,11 @@ class Server:
                 return
             for f in rs.resample(frame):
                 samples = np.ascontiguousarray(f.to_ndarray().reshape(-1))
-                if served.hush:
+                if served.hush > 0:
                     if samples.size == 0 or np.abs(samples).max() > SILENCE_LEVEL:
+                        served.hush = max(0, served.hush - samples.size)
                         continue  # sent before the barge-in
-                    served.hush = False
+                    served.hush = 0
                 served.session.say(torch.from_numpy(samples))
 
     async def _owned(self, request, body=None) -> Served:
@@ -552,7 +558,7 @@ class Server:
 
     async def interrupt(self, request):
         """A barge-in. With "in_flight": "drop" the microphone's audio already sent is dropped
-        too, up to its first silent frame: a client that clears its own queue of speech and
+        too, up to its first silent frame (at most IN_FLIGHT_MAX_S of it): a client that clears its own queue of speech and
         then sends silence (charengine.pipecat) asks for it; the page does not (its
         microphone is the user, who may go on speaking)."""
         body = parse_json(await request.read(), "the request")
@@ -560,7 +566,8 @@ class Server:
         in_flight = body.get("in_flight", "keep")
         if in_flight not in ("keep", "drop"):
             raise BadRequest("'in_flight' must be \"keep\" or \"drop\"")
-        served.hush = in_flight == "drop"
+        served.hush = round(IN_FLIGHT_MAX_S * self.worker.spec.side.sample_rate) \
+            if in_flight == "drop" else 0
         t = served.session.interrupt()
         return web.json_response({"interrupt_t": t, "now": time.monotonic()})
 
