@@ -174,10 +174,10 @@ async def run(args) -> dict:
             first = await first_voice_after(0.0)
             if first is not None:
                 await asyncio.sleep(max(0.0, first + args.interrupt_after_s - source.now()))
+                stop.set()  # the TTS stops first, as Pipecat's do on an interruption: no
+                await speaking  # audio of the interrupted turn follows the interruption
                 t_int = source.now()
-                stop.set()
                 await source.broadcast_interruption()
-                await speaking
                 await asyncio.sleep(args.gap_s)
                 before = [v for v in sink.voiced_t if v <= source.now()]
                 last = max((v for v in before if v >= t_int), default=t_int)
