@@ -28,8 +28,8 @@ from charengine.timing import DeviceSpan
 from .pipeline import Pipeline, StepTimes, Timed
 
 CAPACITY_STEPS = 5  # steady steps timed to measure a worker's capacity
-# the share of a step's budget the sessions' device time may fill: the rest absorbs a
-# session's first steps, its resets and the jitter of the host
+# the share of a step's budget the sessions' busy time on a device may fill: the rest
+# absorbs a session's first steps, its resets and the jitter of the host
 REALTIME_MARGIN = 0.2
 
 
@@ -59,8 +59,8 @@ class Capacity:
 
     def describe(self) -> str:
         return (f"this machine holds {self.sessions} real-time session"
-                f"{'' if self.sessions == 1 else 's'} of {self.target} (a step's busiest "
-                f"device time {self.per_step_s * 1e3:.1f} ms of its "
+                f"{'' if self.sessions == 1 else 's'} of {self.target} (a step's time on its "
+                f"busiest device {self.per_step_s * 1e3:.1f} ms of its "
                 f"{self.budget_s * 1e3:.1f} ms, {REALTIME_MARGIN:.0%} kept free)")
 
     def to_dict(self) -> dict:
@@ -130,14 +130,14 @@ class Lane:
             self.side, self.spec, x.to(self.decoder_device), i), window, timed=timed)
 
     def decode(self, latent: torch.Tensor, after=None, timed: bool = False):
-        """This session's decoder's frames of `latent` on the host, decoded on the side
+        """This lane's decoder's frames of `latent` on the host, decoded on the side
         stream after the event `after` (`timed`: as Timed, with the decoder's busy time)."""
         return self.on_side_stream(
             lambda x: self.decoder(x.to(self.decoder_device)).cpu(), latent, after=after,
             timed=timed)
 
     def pieces(self, latent: torch.Tensor):
-        """The step's latent as this session's decoder calls (None: decoded whole)."""
+        """The step's latent as this lane's decoder calls (None: decoded whole)."""
         return self.family.decode_pieces(self.side, latent, self.decoder)
 
     @torch.inference_mode()
