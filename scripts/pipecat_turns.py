@@ -43,7 +43,7 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
 from charengine.pipecat import CharacterVideoService, Reconnect
-from charengine.pipecat.service import VOICED_RMS
+from charengine.pipecat.service import voiced
 
 TTS_RATE = 24000  # what the source's TTS frames carry (a common TTS rate, not the engine's)
 OUT_RATE = 24000  # the pipeline's output rate
@@ -99,7 +99,7 @@ class Recorder(FrameProcessor):
                 self.audio_kinds.add(type(frame).__name__)
                 self.audio.append(pcm)
                 self.audio_t.append(t)
-                if pcm.size and np.sqrt(np.mean((pcm / 32768.0) ** 2)) > VOICED_RMS:
+                if voiced(pcm):
                     self.voiced_t.append(t)
             elif isinstance(frame, TextFrame):
                 self.texts.append(frame.text)

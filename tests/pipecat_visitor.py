@@ -16,9 +16,9 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
 from charengine.pipecat import SpeechTrack
+from charengine.pipecat.service import voiced
 
 MIC_RATE = 48000
-VOICED_RMS = 10 ** (-50 / 20)
 
 
 def read_speech(path: str) -> np.ndarray:
@@ -48,10 +48,9 @@ async def main(args) -> None:
                 if got["first_frame_s"] is None:
                     got["first_frame_s"] = round(time.monotonic() - t0, 3)
             else:
-                pcm = frame.to_ndarray().reshape(-1) / 32768.0
                 seconds = frame.samples / frame.sample_rate
                 got["audio_s"] += seconds
-                if np.sqrt(np.mean(pcm ** 2)) > VOICED_RMS:
+                if voiced(frame.to_ndarray().reshape(-1)):
                     got["voiced_s"] += seconds
 
     tasks = []

@@ -47,6 +47,11 @@ from .client import CharacterClient, EngineInfo, Refused, Unreachable
 # a received audio frame louder than this (RMS, of full scale) carries speech: the end of a
 # turn's time to first byte (Opus decodes silence to exact zeros or near them)
 VOICED_RMS = 10 ** (-50 / 20)
+
+
+def voiced(pcm: np.ndarray) -> bool:
+    """Whether 16-bit samples carry speech (louder than VOICED_RMS)."""
+    return bool(pcm.size) and float(np.sqrt(np.mean((pcm / 32768.0) ** 2))) > VOICED_RMS
 # the bot's speech held while a lost session is opened again (given to the new one, or
 # passed on if none opens): more than the default policy's 3.5 s of waiting in TTS frames
 MAX_HELD_FRAMES = 2000
@@ -140,22 +145,25 @@ class CharacterVideoService(AIService):
         return CharacterClient(self._url, self._image, self._prompt, on_video=self._video,
                                on_audio=self._audio, on_lost=self._lost, **self._client_kw)
 
-    async def _connect(self) -> bool:
-        """Open a session; an ErrorFrame with the server's sentence if it cannot be."""
+    async def _open_session(self) -> Refused | Unreachable | None:
+        """A new session on the server, the service's from here; the refusal if none."""
         client = self._new_client()
         try:
             self._info = await client.open()
-        except Refused as e:
-            await self.push_error(error_msg=str(e), exception=e)
-            return False
-        except Unreachable as e:
-            await self.push_error(error_msg=str(e), exception=e)
-            return False
+        except (Refused, Unreachable) as e:
+            return e
         self._client, self._open = client, True
         self.sessions_opened += 1
-        logger.info(f"{self}: session open on {self._url} ({self._info.preset}, "
-                    f"{self._info.width}x{self._info.height} at {self._info.fps} fps)")
-        return True
+        logger.info(f"{self}: session {self.sessions_opened} open on {self._url} "
+                    f"({self._info.preset}, {self._info.width}x{self._info.height} at "
+                    f"{self._info.fps} fps)")
+        return None
+
+    async def _connect(self) -> None:
+        """Open a session; an ErrorFrame with the server's sentence if it cannot be."""
+        refused = await self._open_session()
+        if refused is not None:
+            await self.push_error(error_msg=str(refused), exception=refused)
 
     @property
     def _rejoining(self) -> bool:
@@ -178,15 +186,10 @@ class CharacterVideoService(AIService):
             if self._ending:
                 return
             logger.info(f"{self}: reconnecting ({i + 1} of {self._reconnect.attempts})")
-            client = self._new_client()
-            try:
-                self._info = await client.open()
-            except (Refused, Unreachable) as e:
-                why = str(e)
+            refused = await self._open_session()
+            if refused is not None:
+                why = str(refused)
                 continue
-            self._client, self._open = client, True
-            self.sessions_opened += 1
-            logger.info(f"{self}: session open again on {self._url}")
             held, self._held = self._held, []
             for frame in held:  # what the bot said meanwhile, to the new session
                 self._client.say(self._resampled(frame))
@@ -218,8 +221,7 @@ class CharacterVideoService(AIService):
         frame.pts = None  # the resampler keeps its own count
         for part in self._to_pipeline.resample(frame):
             pcm = _s16(_pcm(part))
-            if self._turn_waiting and pcm.size and \
-                    np.sqrt(np.mean((pcm / 32768.0) ** 2)) > VOICED_RMS:
+            if self._turn_waiting and voiced(pcm):
                 self._turn_waiting = False
                 await self.stop_ttfb_metrics()
             await self.push_frame(SpeechOutputAudioRawFrame(
