@@ -35,6 +35,12 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
+def percentile(xs, q: float) -> float:
+    """The q-th percentile of xs, nearest rank (one of the values)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
 def _device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -42,7 +42,7 @@ from charengine.engine_format import this_machine
 from charengine.family import family_of
 from charengine.mapping import Mapping
 from charengine.stepping import Session
-from charengine.timing import Mark, Span, median
+from charengine.timing import Mark, Span, median, percentile
 
 # dense tensor-core peaks of an H100/H200 SXM (TFLOP/s)
 DENSE_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}
@@ -108,11 +108,6 @@ class ClockSampler:
             "power_w_median": statistics.median(r[1] for r in busy),
             "power_capped_fraction": sum(bool(r[2] & self.POWER_CAP) for r in busy) / len(busy),
         }
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 def attribute(prof, device) -> tuple[dict, dict]:
@@ -413,7 +408,7 @@ def main():
     reset_ms = [diffusion[k] for k in resets if k >= exclude]
     d_st, p_st = [diffusion[k] for k in steady], [period[k] for k in steady]
     flops = fam.step_flops(cfg, args.rank)
-    d50 = pct(d_st, 50)
+    d50 = percentile(d_st, 50)
     frames = spec.frames_per_latent
     gemm_peak = DENSE_TFLOPS["fp8" if cfg.numerics.fp8_gemm else "bf16"]
     attn_peak = DENSE_TFLOPS["fp8" if cfg.numerics.fp8_attention else "bf16"]
@@ -427,12 +422,12 @@ def main():
         "switches": dataclasses.asdict(cfg.switches),
         "numerics": dataclasses.asdict(cfg.numerics),
         "graphs": graphed, "steps": args.steps, "exclude": exclude,
-        "diffusion_p50_ms": d50, "diffusion_p90_ms": pct(d_st, 90),
-        "period_p50_ms": pct(p_st, 50), "period_p90_ms": pct(p_st, 90),
+        "diffusion_p50_ms": d50, "diffusion_p90_ms": percentile(d_st, 90),
+        "period_p50_ms": percentile(p_st, 50), "period_p90_ms": percentile(p_st, 90),
         "reset_step_ms": statistics.median(reset_ms) if reset_ms else None,
-        "capacity_fps": 1000 * frames / pct(p_st, 50),
+        "capacity_fps": 1000 * frames / percentile(p_st, 50),
         "sustained_fps": 1000 * frames * len(p_st) / sum(p_st),
-        "host_step_p50_ms": 1e3 * pct([host[k] for k in steady], 50),
+        "host_step_p50_ms": 1e3 * percentile([host[k] for k in steady], 50),
         "step_tflop": {k: v / 1e12 for k, v in flops.items()},
         "tflops": sum(flops.values()) / (d50 / 1e3) / 1e12,
         "floors_at_dense_peak_ms": floors,

@@ -46,7 +46,7 @@ from charengine.assemble import rank_session
 from charengine.config import preset
 from charengine.family import family, family_of
 from charengine.mapping import Mapping
-from charengine.timing import Span, median
+from charengine.timing import Span, median, percentile
 
 MS_PER_S = 1000.0
 MINUTE_S = 60
@@ -62,12 +62,6 @@ def peak_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
-
-
-def pct(xs: list[float], q: float) -> float:
-    """The q-th percentile, nearest rank."""
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 def measure_gemm_plan(cfg, state, mapping) -> dict:
@@ -236,7 +230,7 @@ def main():
         "steps": steps, "first_timed_step": first, "steady_steps": len(steady),
         "video_minutes": steps * spec.frames_per_latent / spec.fps / MINUTE_S,
         "step_budget_ms": MS_PER_S * spec.frames_per_latent / spec.fps,
-        "diffusion_p50_ms": median(steady), "diffusion_p90_ms": pct(steady, 90),
+        "diffusion_p50_ms": median(steady), "diffusion_p90_ms": percentile(steady, 90),
         "reset_step_p50_ms": median(reset_ms) if reset_ms else None,
         "memory_peak_mb": peak_mb(device),
         "resets": len(resets),
