@@ -115,8 +115,8 @@ def child(args) -> None:
     ready_in_process = time.perf_counter() - t0
     kernels = getattr(worker, "kernels", None)
     # a worker whose ranks run in processes of their own compiles and holds its DiT there:
-    # here its decoder's device, and no compiles of its own
-    device = getattr(worker, "device", worker.decoder_device)
+    # its device here is its side networks', and it compiles nothing of its own
+    device = worker.device
     compiles = getattr(worker, "compiles", 0)
     print("READY " + json.dumps({
         "imports_at": imports_at, "import_s": imported - imports_at, "check_s": checked,

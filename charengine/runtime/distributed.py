@@ -271,6 +271,8 @@ class DistributedWorker:
         self.mapping = engine.target.mapping(0)
         self.family = family_of(self.cfg)
         self.decoder_device = torch.device(self.mapping.decoder_device)
+        # this process's device (its side networks'): the DiT runs on the ranks' own
+        self.device = self.decoder_device
         self.side = self.family.load_side(self.cfg, engine.side_state(), self.decoder_device)
         if self.decoder_device.type == "cuda":
             self.family.warm_up_side(self.side, self.spec, self.decoder_device)
@@ -540,10 +542,7 @@ class RemoteLane(Lane):
     worker's turns, one at a time, the earliest deadline first."""
 
     def __init__(self, worker: DistributedWorker, index: int, decoder):
-        self.worker, self.index, self.session, self.decoder = worker, index, None, decoder
-        self.spec, self.family, self.cfg = worker.spec, worker.family, worker.cfg
-        self.target, self.side = worker.target, worker.side
-        self.device = self.decoder_device = worker.decoder_device
+        super().__init__(worker, index, None, decoder)  # its session is on the ranks
         self.pending_start = None
 
     @torch.inference_mode()
