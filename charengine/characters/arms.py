@@ -92,19 +92,13 @@ def numerics_ladder() -> tuple[str, ...]:
 
 
 def numerics_weights(cfg, seed: int, device, rank: int) -> dict:
-    """The rank's state made on the device and its tables (the AdaLN weights, 10.6B
-    parameters at characters-57b, only to bake them)."""
-    import torch
-
-    from .model import bake_adaln
+    """The rank's state made on the device and its tables (bench_rank's), with what the fp32
+    arm makes its own from."""
     from .spec import RankShape
-    from .weights import random_rank_state
 
-    shape = RankShape.of(cfg.model, cfg.tp, rank)
-    state, adaln_w = random_rank_state(cfg.model, shape, seed, device,
-                                       getattr(torch, cfg.numerics.dtype),
-                                       keep_adaln_weights=False)
-    return {"state": state, "tables": bake_adaln(cfg, adaln_w), "seed": seed, "shape": shape}
+    state, tables = bench_rank(cfg, seed, device, rank)
+    return {"state": state, "tables": tables, "seed": seed,
+            "shape": RankShape.of(cfg.model, cfg.tp, rank)}
 
 
 def numerics_session(cfg, name: str, weights: dict, device, rank: int):
