@@ -161,7 +161,8 @@ class Rank(Protocol):
     """Part 3, one TP rank: the tables baked for the fixed schedule, the rank's cut of the
     weights, its GEMMs for the builder to time, and the one assembly of its model, cache and
     session (the session, its graphs and warm-up are charengine/stepping.py's; a family
-    gives its step function and phase rule)."""
+    gives its step function and phase rule, and where it has one its batched step, which
+    rank_session hands to session_of)."""
 
     def bake_tables(self, cfg, state) -> dict[str, torch.Tensor]:
         """The tables baked for the fixed schedule (the engine's ADALN file)."""

@@ -5,7 +5,10 @@ the throw-away session that compiles, captures and uploads all of them before a 
 A family writes its step function (one step's forwards over the cache, reading only tensors
 apart from its static arguments) and its `StepRule`: what the host's step count says of a
 step (its static arguments, whether the FP8 calibration runs before it) and which steps
-have a graph of their own. Everything else is written here once."""
+have a graph of their own. A family that can step several sessions as one batch (their
+tokens stacked through every linear, each session's attention over its own cache) also
+gives that batched step and says which steps may join a batch; `Together` runs them.
+Everything else is written here once."""
 
 from __future__ import annotations
 
@@ -52,6 +55,15 @@ class StepRule(Protocol):
         host-side phase set as each runs (capturing records kernels without running
         them: the session's state is unchanged)."""
 
+    def batch_kind(self, cache, kind: dict) -> dict | None:
+        """The static arguments a step of `kind` runs with in a batch of several sessions'
+        steps (all of a batch's steps run with these: the steady step's), None where it runs
+        alone. Pure: what the batch's step leaves out is `before_batch`'s."""
+
+    def before_batch(self, cache, kind: dict) -> None:
+        """What runs eagerly on the session's own cache before its step of `kind` joins a
+        batch (a position reset's rotation of the cached keys)."""
+
 
 class Session:
     """Drives one rank's model and cache through a session: the host-side step count that
@@ -63,13 +75,14 @@ class Session:
     same model with a cache of its own, so one copy of the weights serves many sessions."""
 
     def __init__(self, model, cache, rule: StepRule, step_fn, device, new_cache=None,
-                 graph_step=None):
+                 graph_step=None, batch_step=None):
         """`new_cache()`: a fresh cache for a sibling; `graph_step`: the family's eager step
-        a sibling's StepGraphs wraps (None: siblings step through `step_fn` itself)."""
+        a sibling's StepGraphs wraps (None: siblings step through `step_fn` itself);
+        `batch_step`: the family's step of several sessions at once (None: it has none)."""
         self.model, self.cache, self.rule, self.step_fn = model, cache, rule, step_fn
         self.cfg = model.cfg
         self.device = torch.device(device)
-        self.new_cache, self.graph_step = new_cache, graph_step
+        self.new_cache, self.graph_step, self.batch_step = new_cache, graph_step, batch_step
         self.k = 0  # host-side step count: picks the step's kind, never read from the device
 
     def sibling(self) -> Session:
@@ -79,7 +92,7 @@ class Session:
         step_fn = StepGraphs(self.graph_step, self.rule, self.device) \
             if self.graph_step is not None else self.step_fn
         return Session(self.model, self.new_cache(), self.rule, step_fn, self.device,
-                       self.new_cache, self.graph_step)
+                       self.new_cache, self.graph_step, self.batch_step)
 
     def start(self, reference: torch.Tensor, prompt: torch.Tensor) -> None:
         """A new session: the reference latent and the prompt's features."""
@@ -92,6 +105,12 @@ class Session:
         out = self.step_fn(self.model, self.cache, noise, audio, **self.rule.kind(self.k))
         self.k += 1
         return out
+
+    def batch_kind(self) -> dict | None:
+        """The static arguments the next step runs with in a batch (None: it runs alone)."""
+        if self.batch_step is None:
+            return None
+        return self.rule.batch_kind(self.cache, self.rule.kind(self.k))
 
 
 class StepGraphs:
@@ -139,14 +158,107 @@ class StepGraphs:
         return out
 
 
+class Together:
+    """Steps of several sessions over one model computed as one batch, by the family's
+    batched step over staging caches of its own: each session's cache is copied into a
+    staging cache, the batch steps them all, and each is copied back. The staging caches
+    are the same buffers every batch, so on a GPU each batch size's step replays a graph
+    captured once (`capture`, at start-up): which sessions make up a batch changes nothing
+    of it. A session's frames in a batch are its frames alone up to the roundings of the
+    larger GEMMs (bitwise where those round as the smaller ones do)."""
+
+    def __init__(self, session: Session, most: int):
+        """Batches of 2 .. `most` sessions of `session`'s model."""
+        if session.batch_step is None:
+            raise TypeError("this family has no batched step")
+        self.model, self.rule, self.step = session.model, session.rule, session.batch_step
+        self.device, self.most = session.device, most
+        self.staging = [session.new_cache() for _ in range(most)]
+        self.kind: dict | None = None  # the batches' static arguments (one steady kind)
+        self.noise: list[torch.Tensor] = []
+        self.audio: list[torch.Tensor] = []
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, list[torch.Tensor]] = {}
+
+    def stage(self, sessions: list[Session]) -> list:
+        """Copy each session's cache into its place of the batch; returns those caches."""
+        for staging, s in zip(self.staging, sessions):
+            staging.copy_from(s.cache)
+        return self.staging[:len(sessions)]
+
+    def capture(self, session: Session, shapes) -> None:
+        """Capture one graph per batch size (a GPU's), from `session` at its steady point
+        (where warm_up leaves it): its cache staged in every place of the batch."""
+        kind = session.batch_kind()
+        if kind is None:
+            raise RuntimeError("the session is not at a step that joins a batch")
+        self.kind = kind
+        staged = self.stage([session] * self.most)
+        self.noise = [torch.zeros(shapes.noise_shape, device=self.device)
+                      for _ in range(self.most)]
+        self.audio = [torch.zeros(shapes.features, device=self.device)
+                      for _ in range(self.most)]
+        with torch.inference_mode():
+            # the kernels' first launches and workspaces outside the capture
+            self.step(self.model, staged, self.noise, self.audio, [kind] * self.most)
+            torch.cuda.synchronize(self.device)
+            pool = torch.cuda.graph_pool_handle()
+            for n in range(2, self.most + 1):
+                staged = self.stage([session] * n)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self.outputs[n] = self.step(self.model, staged, self.noise[:n],
+                                                self.audio[:n], [kind] * n)
+                self.graphs[n] = g
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def run(self, kinds: list[dict], noises, audios) -> list[torch.Tensor]:
+        """The batch's step over the first len(kinds) staged caches (a graph's replay where
+        one was captured for that many), their clean latents in order."""
+        n = len(kinds)
+        if n not in self.graphs:
+            return self.step(self.model, self.staging[:n], noises, audios, kinds)
+        for buf, x in zip(self.noise, noises):
+            buf.copy_(x)
+        for buf, x in zip(self.audio, audios):
+            buf.copy_(x)
+        self.graphs[n].replay()
+        return [o.clone() for o in self.outputs[n]]
+
+    @torch.inference_mode()
+    def __call__(self, sessions: list[Session], noises, audios) -> list[torch.Tensor]:
+        """One step of each session (at least two, at most `most`, every one's batch_kind
+        not None), their clean latents in order."""
+        n = len(sessions)
+        if not 2 <= n <= self.most:
+            raise ValueError(f"a batch of {n} sessions: this one takes 2 to {self.most}")
+        kinds = []
+        for s in sessions:
+            kind = s.batch_kind()
+            if kind is None:
+                raise ValueError("a session's next step does not join a batch")
+            s.rule.before(s.cache, s.k)
+            s.rule.before_batch(s.cache, s.rule.kind(s.k))
+            kinds.append(kind)
+        staged = self.stage(sessions)
+        outs = self.run(kinds, noises, audios)
+        for s, staging in zip(sessions, staged):
+            s.cache.copy_from(staging)
+            s.k += 1
+        return outs
+
+
 def session_of(model, new_cache, rule: StepRule, step, device, graphed: bool,
-               step_fn=None) -> Session:
+               step_fn=None, batch_step=None) -> Session:
     """A rank's session over a cache from `new_cache()`: its steps through `step_fn` if
-    given, else StepGraphs over the family's `step` where `graphed`, else `step` itself."""
+    given, else StepGraphs over the family's `step` where `graphed`, else `step` itself;
+    `batch_step`, the family's step of several sessions at once (None: it has none)."""
     graph_step = step if step_fn is None and graphed else None
     if step_fn is None:
         step_fn = StepGraphs(step, rule, device) if graphed else step
-    return Session(model, new_cache(), rule, step_fn, device, new_cache, graph_step)
+    return Session(model, new_cache(), rule, step_fn, device, new_cache, graph_step,
+                   batch_step)
 
 
 def warm_up(session: Session, shapes, seed: int = 0) -> int:

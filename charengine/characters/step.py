@@ -75,6 +75,13 @@ class FrameSteps:
     def resets_at(self, cache: KVCache, k: int) -> bool:
         return k > 0 and k % self.period == 0
 
+    def batch_kind(self, cache: KVCache, kind: dict) -> None:
+        """Every step runs alone: this family has no batched step."""
+        return None
+
+    def before_batch(self, cache: KVCache, kind: dict) -> None:
+        raise TypeError("this family has no batched step")
+
     def steady(self, cache: KVCache, kind: dict) -> bool:
         return not kind["masked"] and (cache.quantized or not self.fp8_kv)
 

@@ -64,6 +64,7 @@ class ChunkCache:
             # stay intact)
             stores = [torch.zeros(math.prod(wide) * dtype.itemsize, dtype=torch.uint8,
                                   device=dev) for _ in range(2)]
+            self.byte_stores = stores
             self.k, self.v = (b.view(dtype).view(wide) for b in stores)
             n8 = math.prod(shape)
             self.k8 = stores[0][:n8].view(fp8.FP8).view(shape)
@@ -104,6 +105,34 @@ class ChunkCache:
         """Bytes the K/V stores hold (shared: the FP8 cache inside the wide one's buffers)."""
         wide = 2 * self.k.numel() * self.k.element_size()
         return wide + 2 * self.k8.numel() if self.fp8_kv and not self.shared else wide
+
+    def state(self, quantized: bool) -> list:
+        """Every tensor of a session's state with its FP8 store in use or not: the K/V store
+        in use (shared stores before the calibration: the bytes under both), the scales,
+        counters and conditioning; None for conditioning not kept yet."""
+        if quantized:
+            kv = [self.k8, self.v8]
+        else:
+            kv = self.byte_stores if self.shared else [self.k, self.v]
+        return [*kv, *([self.scale] if self.fp8_kv else []), self.chunk, self.write_index,
+                self.positions, self.text_k, self.text_v, *(self.text8 or (None,) * 4),
+                self.ref, self.y_first, self.y_next, self.context]
+
+    def copy_from(self, other: ChunkCache) -> None:
+        """This cache made a copy of `other`'s session (same config), in this cache's own
+        buffers (made at the first copy where `other` has conditioning this one lacks)."""
+        mine, theirs = self.state(other.quantized), other.state(other.quantized)
+        if any(a is None and b is not None for a, b in zip(mine, theirs)):
+            for name in ("text_k", "text_v", "ref", "y_first", "y_next", "context"):
+                if getattr(self, name) is None and getattr(other, name) is not None:
+                    setattr(self, name, torch.empty_like(getattr(other, name)))
+            if self.text8 is None and other.text8 is not None:
+                self.text8 = tuple(torch.empty_like(t) for t in other.text8)
+            mine = self.state(other.quantized)
+        for a, b in zip(mine, theirs):
+            if b is not None:
+                a.copy_(b)
+        self.quantized = other.quantized
 
     def new_session(self) -> None:
         self.chunk.zero_()

@@ -9,7 +9,9 @@ K/V written first), cross-attention to the prompt, gated GELU FFN; the head's mo
 norm and projection. The AdaLN modulation of pass p comes from its timestep: from the baked
 tables (baked_adaln) or the time MLPs per call. Every op runs through the block's ops
 (ops.py), chosen once at construction: the forward below is straight-line code that reads no
-switch."""
+switch. A forward takes a batch of sessions' chunks (one or more): their tokens stacked
+through every linear, norm and modulation, each session's pre-attention, attention and
+cross-attention over its own cache; a batch of one is the single session's forward."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from ..ops import gelu_tanh, modulate
 from ..ops import rms_norm_width as rms_norm
 from ..plugins import gemm as gemm_mod
 from .cache import ChunkCache
-from .ops import BlockOps, Heads, add_pending
+from .ops import BlockOps, Heads, add_pending, parts, stacked
 from .spec import LiveTalkSpec
 
 
@@ -137,27 +139,34 @@ class LiveTalkDiT:
         v = self.linear(f"{pre}.v", context)
         return self.heads(k).transpose(0, 1), self.heads(v).transpose(0, 1)
 
-    # ---- per chunk -----------------------------------------------------------------------
-    def audio_conditioning(self, feats: torch.Tensor) -> torch.Tensor:
-        """Chunk audio feature rows [audio_rows, audio_dim] -> [audio blocks, F, dim]."""
+    # ---- per chunk (of each session in a batch) ---------------------------------------
+    def audio_conditioning(self, feats) -> torch.Tensor:
+        """Each session's chunk audio feature rows [audio_rows, audio_dim] -> [audio blocks,
+        B * F, dim], the sessions' frames one after another."""
         spec = self.spec
-        x = feats.to(self.device, self.dtype).reshape(spec.chunk_frames, -1)
+        x = stacked([f.to(self.device, self.dtype).reshape(spec.chunk_frames, -1)
+                     for f in feats])
         a = self.linear("audio_proj.proj", x)
         a = F.layer_norm(a, (spec.audio_hidden,), self.w["audio_proj.norm_out.weight"],
                          self.w["audio_proj.norm_out.bias"])
         return torch.stack([self.linear(f"audio_cond_projs.{j}", a)
                             for j in range(len(spec.audio_blocks))])
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, p: int, cache: ChunkCache,
-                audio: torch.Tensor, rope, n_slots: int, commit: bool = False):
-        """One pass over the chunk latent x [C, F, h, w] with its conditioning y; writes
-        every block's K/V at the cache's write slots and attends over its first n_slots.
-        Returns the flow prediction [C, F, h, w], or None for a commit pass that stops after
-        the last block's K/V write (skip_commit_tail)."""
-        ops, w, eps = self.ops, self.w, self.spec.norm_eps
-        h = ops.embed(torch.cat([x, y]))  # [F * T, dim], tokens ordered (frame, row, column)
+    def forward(self, xs, ys, p: int, caches: list[ChunkCache], audio: torch.Tensor, ropes,
+                n_slots: list[int], commit: bool = False):
+        """One pass over the chunk latents xs[i] [C, F, h, w] of a batch of sessions (one or
+        more, each with its conditioning ys[i], cache, rotation and slots): their tokens
+        stacked for every linear, norm and modulation, each session's attention over its
+        own cache, where it writes its K/V at its write slots and attends over its first
+        n_slots[i]. Returns each session's flow prediction [C, F, h, w], or None for a
+        commit pass that stops after the last block's K/V write (skip_commit_tail)."""
+        ops, w, n = self.ops, self.w, len(caches)
+        # [B * F * T, dim], tokens ordered (session, frame, row, column)
+        h = stacked([ops.embed(torch.cat([x, y])) for x, y in zip(xs, ys)])
         mods, head_mod = self.modulations(p)
-        phase = ops.phase(cache)
+        phase = ops.phase(caches[0])
+        if any(ops.phase(c) is not phase for c in caches):
+            raise ValueError("a batch's caches are in different phases")
         stop = ops.commit_stop if commit else None
         residual = None  # a pending FFN residual (output, gate) the next input op adds
         for b, j in enumerate(self.audio_at):
@@ -165,18 +174,21 @@ class LiveTalkDiT:
             add = None if j is None else audio[j]
             a, h = ops.block_input(h, residual, add, shift1, scale1)
             pre = f"blocks.{b}.self_attn"
-            q = phase.pre_attention(b, *ops.qkv(b, a), w[f"{pre}.norm_q.weight"],
-                                    w[f"{pre}.norm_k.weight"], rope, cache)
+            qn, kn = w[f"{pre}.norm_q.weight"], w[f"{pre}.norm_k.weight"]
+            q, k, v = (parts(t, n) for t in ops.qkv(b, a))
+            qs = [phase.pre_attention(b, q[i], k[i], v[i], qn, kn, ropes[i], caches[i])
+                  for i in range(n)]
             if b == stop:
                 return None
-            o = self.linear(f"{pre}.o", phase.attention(b, q, cache, n_slots), "attn")
+            o = stacked([phase.attention(b, qs[i], caches[i], n_slots[i]) for i in range(n)])
+            o = self.linear(f"{pre}.o", o, "attn")
             a, h = ops.attention_residual(b, h, o, gate1)
-            a, h = ops.ffn_input(h, ops.cross_attention(b, a, cache), shift2, scale2)
+            a, h = ops.ffn_input(h, ops.cross_attention(b, a, caches), shift2, scale2)
             h, residual = ops.ffn_residual(h, ops.ffn(b, a), gate2)
         h = add_pending(h, residual)
         shift, scale = head_mod
-        out = self.linear("head.head", modulate(h, shift, scale, eps))
-        return self.unpatchify(out, x.shape[1])
+        out = self.linear("head.head", modulate(h, shift, scale, self.spec.norm_eps))
+        return [self.unpatchify(o, x.shape[1]) for o, x in zip(parts(out, n), xs)]
 
     def unpatchify(self, out: torch.Tensor, frames: int) -> torch.Tensor:
         """[F * T, (py, px, C)] -> [C, F, h, w]."""

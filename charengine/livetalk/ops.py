@@ -22,6 +22,17 @@ from ..ops import rms_norm_width as rms_norm
 from .rope import ComplexRotation, TableRotation
 
 
+def parts(x: torch.Tensor, n: int, dim: int = 0) -> tuple[torch.Tensor, ...]:
+    """A batch's n sessions' equal parts of x stacked along `dim`, each contiguous (x itself
+    where n is 1)."""
+    return (x,) if n == 1 else tuple(p.contiguous() for p in x.chunk(n, dim))
+
+
+def stacked(xs, dim: int = 0) -> torch.Tensor:
+    """The sessions' tensors stacked along `dim` (the one itself where there is one)."""
+    return xs[0] if len(xs) == 1 else torch.cat(list(xs), dim)
+
+
 class Heads:
     """[..., dim] as [..., heads, head_dim]."""
 
@@ -274,37 +285,45 @@ class FusedAttentionResidual(AttentionResidual):
 
 
 class CrossAttention:
-    """Cross-attention to the prompt: the queries RMS-normed (`q_norm`: its kernel or the
-    plain norm), SDPA over the prompt's K/V (`kv(b, cache)`: kept at session start with
-    text_kv_once, else computed per call), the output projection."""
+    """Cross-attention to the prompt of each session in the batch: the queries of all of them
+    in one projection and RMS-normed (`q_norm`: its kernel or the plain norm), SDPA over each
+    session's prompt K/V (`kv(b, cache)`: kept at session start with text_kv_once, else
+    computed per call), the output projection of all of them."""
 
     def __init__(self, linear, w: dict, heads: Heads, q_norm, kv, eps: float):
         self.linear, self.w, self.heads, self.q_norm, self.kv = linear, w, heads, q_norm, kv
         self.eps = eps
 
-    def __call__(self, b, a, cache):
+    def __call__(self, b, a, caches):
         pre = f"blocks.{b}.cross_attn"
         q = self.q_norm(self.linear(f"{pre}.q", a, "attn"), self.w[f"{pre}.norm_q.weight"],
                         self.eps)
-        k, v = self.kv(b, cache)
-        o = F.scaled_dot_product_attention(self.heads(q).transpose(0, 1)[None], k[None], v[None])
-        return self.linear(f"{pre}.o", o[0].transpose(0, 1).flatten(1), "attn")
+        os = []
+        for qi, cache in zip(parts(q, len(caches)), caches):
+            k, v = self.kv(b, cache)
+            o = F.scaled_dot_product_attention(self.heads(qi).transpose(0, 1)[None], k[None],
+                                               v[None])
+            os.append(o[0].transpose(0, 1).flatten(1))
+        return self.linear(f"{pre}.o", stacked(os), "attn")
 
 
 class Fp8CrossAttention:
-    """Cross-attention through the FP8 attention kernel over the prompt's FP8 K/V
-    (fp8_cross_attention): the queries normed and quantized per (head, token) in one op."""
+    """Cross-attention through the FP8 attention kernel over each session's prompt FP8 K/V
+    (fp8_cross_attention): the queries of the batch normed and quantized per (head, token)
+    in one op."""
 
     def __init__(self, linear, w: dict, norm_quant, kernel, spec, dtype):
         self.linear, self.w, self.norm_quant, self.kernel = linear, w, norm_quant, kernel
         self.eps, self.H, self.dtype = spec.norm_eps, spec.n_heads, dtype
 
-    def __call__(self, b, a, cache):
+    def __call__(self, b, a, caches):
         pre = f"blocks.{b}.cross_attn"
         q8, qs = self.norm_quant(self.linear(f"{pre}.q", a, "attn"),
                                  self.w[f"{pre}.norm_q.weight"], self.eps, self.H)
-        o = self.kernel(q8, qs, *cache.text_fp8(b), self.dtype)
-        return self.linear(f"{pre}.o", o, "attn")
+        n = len(caches)
+        os = [self.kernel(q8i, qsi, *cache.text_fp8(b), self.dtype) for q8i, qsi, cache in
+              zip(parts(q8, n, 1), parts(qs, n, 1), caches)]
+        return self.linear(f"{pre}.o", stacked(os), "attn")
 
 
 def kept_text_kv(b, cache):

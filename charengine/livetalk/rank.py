@@ -13,7 +13,7 @@ from ..mapping import Mapping
 from ..stepping import Session, session_of
 from .cache import ChunkCache
 from .model import LiveTalkDiT, fuse_qkv
-from .step import ChunkSteps, chunk_step
+from .step import ChunkSteps, chunk_step, chunk_steps
 from .weights import rank_weights
 
 # linear kind -> a block's linears of that kind (each kind is one GEMM shape); with
@@ -51,7 +51,8 @@ def rank_session(cfg, state, mapping: Mapping, tables=None, gemm_plan=None,
     dt = getattr(torch, cfg.numerics.dtype)
     model = LiveTalkDiT(cfg, state, device, tables, gemm_plan)
     return session_of(model, lambda: ChunkCache(cfg, device, dt), ChunkSteps(cfg), chunk_step,
-                      device, device.type == "cuda" if graphed is None else graphed, step_fn)
+                      device, device.type == "cuda" if graphed is None else graphed, step_fn,
+                      batch_step=chunk_steps)
 
 
 def gemm_problems(cfg, state, mapping) -> dict:

@@ -26,29 +26,45 @@ def chunk_step(model: LiveTalkDiT, cache: ChunkCache, noise: torch.Tensor, audio
                c: int) -> torch.Tensor:
     """Chunk c's clean latent [C, F, h, w] (fp32) from `noise` [passes, C, F, h, w] (the
     first pass's input, then each re-noising's draw) and its audio feature rows."""
+    return chunk_steps(model, [cache], [noise], [audio], [{"c": c}])[0]
+
+
+def chunk_steps(model: LiveTalkDiT, caches: list[ChunkCache], noises, audios,
+                kinds: list[dict]) -> list[torch.Tensor]:
+    """chunk_step of a batch of sessions together: session i's chunk kinds[i]["c"] over its
+    cache from its noise and audio. Their tokens go through every linear stacked, each
+    session's attention over its own cache; a session's latent is what chunk_step gives it
+    alone up to the roundings of the larger GEMMs (its rows are its own: nothing of one
+    session reaches another)."""
     sched, dt = model.cfg.schedule, model.dtype
     sigmas = [float32(s) for s in sched.sigmas]
-    cache.begin_chunk(c)
-    cond = model.audio_conditioning(audio)
-    rope = model.rope(cache)
-    n = cache.valid_slots(c)
-    first = c == 0
-    y = cache.y_first if first else cache.y_next
-    noise = noise.to(model.device, dt)
-    x = noise[0].clone()
+    cs = [kind["c"] for kind in kinds]
+    for cache, c in zip(caches, cs):
+        cache.begin_chunk(c)
+    cond = model.audio_conditioning(audios)
+    ropes = [model.rope(cache) for cache in caches]
+    ns = [cache.valid_slots(c) for cache, c in zip(caches, cs)]
+    firsts = [c == 0 for c in cs]
+    ys = [cache.y_first if first else cache.y_next for cache, first in zip(caches, firsts)]
+    noises = [noise.to(model.device, dt) for noise in noises]
+    xs = [noise[0].clone() for noise in noises]
     for p in range(sched.passes):
-        if first:
-            x[:, 0] = cache.ref
-        v = model.forward(x, y, p, cache, cond, rope, n)
-        x0 = (x.double() - sigmas[p] * v.double()).to(dt)
+        for x, cache, first in zip(xs, caches, firsts):
+            if first:
+                x[:, 0] = cache.ref
+        vs = model.forward(xs, ys, p, caches, cond, ropes, ns)
+        x0s = [(x.double() - sigmas[p] * v.double()).to(dt) for x, v in zip(xs, vs)]
         if p + 1 < sched.passes:
             s = sigmas[p + 1]
-            x = ((1 - s) * x0.float() + s * noise[p + 1].float()).to(dt)
-    if first:
-        x0[:, 0] = cache.ref
-    model.forward(x0, y, sched.passes, cache, cond, rope, n, commit=True)
-    cache.end_chunk()
-    return x0.float()
+            xs = [((1 - s) * x0.float() + s * noise[p + 1].float()).to(dt)
+                  for x0, noise in zip(x0s, noises)]
+    for x0, cache, first in zip(x0s, caches, firsts):
+        if first:
+            x0[:, 0] = cache.ref
+    model.forward(x0s, ys, sched.passes, caches, cond, ropes, ns, commit=True)
+    for cache in caches:
+        cache.end_chunk()
+    return [x0.float() for x0 in x0s]
 
 
 STEADY, RESET = "steady", "reset"  # the graphs' keys besides the fill chunks' counts
@@ -93,6 +109,21 @@ class ChunkSteps:
         if self.steady(cache, c):
             return RESET if cache.is_reset(c) else STEADY
         return c
+
+    def batch_kind(self, cache: ChunkCache, kind: dict) -> dict | None:
+        """With the ring cache, a steady or reset chunk joins a batch as the first steady
+        chunk that is no reset (whose count gives the same slots and shapes: the ring's
+        write slots and positions derive on the device); the others run alone."""
+        if not self.graphed or not self.steady(cache, kind["c"]):
+            return None
+        first = cache.first_steady()
+        return {"c": next(c for c in range(first, first + cache.R + 1)
+                          if not cache.is_reset(c))}
+
+    def before_batch(self, cache: ChunkCache, kind: dict) -> None:
+        """A reset chunk's rotation of the window keys (a batch's step has none)."""
+        if cache.is_reset(kind["c"]):
+            cache.delta_rotate()
 
     def captures_at(self, cache: ChunkCache, kind: dict) -> bool:
         return self.steady(cache, kind["c"])
