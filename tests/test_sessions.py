@@ -1,7 +1,8 @@
 """charrun --serve --sessions N with real WebRTC peers (aiortc) in a network namespace of the
 test's own, on the tiny engines of both families and a TP-2 engine (its sessions through the
 same rank processes): three sessions stream at once from one process and one copy of the
-engine; the fourth offer is answered 503 with Retry-After and /readyz reads busy; a
+engine (on LiveTalk's also with --batch 3: steps that wait together run as one batch); the
+fourth offer is answered 503 with Retry-After and /readyz reads busy; a
 session's id acts on that session only; stopping one, a barge-in on another and a client that
 vanishes leave the others streaming, and each frees its place."""
 
@@ -89,8 +90,10 @@ def wait(pred, most_s: float) -> bool:
     return True
 
 
-@pytest.mark.parametrize("target", ["cpu-tiny", "cpu-tiny-livetalk", "cpu-tiny-tp2"])
-def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tmp_path, target):
+@pytest.mark.parametrize("target,batch", [("cpu-tiny", 1), ("cpu-tiny-livetalk", 1),
+                                          ("cpu-tiny-livetalk", 3), ("cpu-tiny-tp2", 1)])
+def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tmp_path, target,
+                                                                      batch):
     engine = build_target(tmp_path, target)
     images = []
     for i, color in enumerate(((200, 40, 40), (40, 200, 40), (40, 40, 200))):
@@ -98,7 +101,7 @@ def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tm
         Image.new("RGB", (64, 64), color).save(images[-1])
     server = subprocess.Popen([*netns, *CHARRUN, "--engine", str(engine), "--serve", "--port",
                                "8080", "--health-port", "8081", "--sessions", "3",
-                               "--over-capacity"],
+                               "--batch", str(batch), "--over-capacity"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(server.stdout.readline, "")),
@@ -124,6 +127,9 @@ def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tm
         lines = text.splitlines()
         assert "charengine_sessions_active 3.0" in lines and \
             "charengine_sessions_capacity 3.0" in lines, text
+        steps = [float(ln.split()[-1]) for ln in lines
+                 if ln.startswith("charengine_device_steps_total ")]
+        assert steps and steps[0] >= 3, text  # every session's steps, batched or alone
         played = [ln for ln in lines if ln.startswith("charengine_session_playback_fps{")]
         assert sorted(ln.split('"')[1] for ln in played) == ["1", "2", "3"], text
         assert all(float(ln.split()[-1]) > 0 for ln in played), played

@@ -91,7 +91,7 @@ def ready_check(cfg: RunConfig) -> None:
         t1 = time.perf_counter()
         from .distributed import open_worker
 
-        worker = open_worker(engine, cfg.sessions, cfg.over_capacity)
+        worker = open_worker(engine, cfg.sessions, cfg.over_capacity, cfg.batch)
     except (EngineError, RankFailure) as e:
         raise click.ClickException(str(e)) from None
     total = time.perf_counter() - t0
@@ -234,13 +234,18 @@ def side_networks_note(engine: Engine) -> str | None:
 @click.option("--over-capacity", is_flag=True,
               help="With --sessions: serve that many even where this machine holds fewer in "
                    "real time (they play below real time while all are busy).")
+@click.option("--batch", type=click.IntRange(1, MAX_SESSIONS), default=1, show_default=True,
+              help="With --sessions: the most sessions whose steps run as one batch when "
+                   "they wait for the device together (their tokens stacked through every "
+                   "GEMM, each attending over its own cache; a session's frames equal its "
+                   "frames alone up to the GEMMs' roundings). 1: every step alone.")
 @click.option("--check", is_flag=True,
               help="Load the engine and get ready (kernels loaded, warm-up, step graphs "
                    "captured), report what it took and how many kernels had to be compiled, "
                    "and exit.")
 def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serve, host, port,
          ice_servers, slack, livekit, agent_name, health_port, grace_period, allow_hosts,
-         allow_origins, sessions, over_capacity, check):
+         allow_origins, sessions, over_capacity, batch, check):
     """Render a talking character (the image animated to the speech, H.264 + AAC MP4), or
     with --serve stream one over WebRTC to a local page."""
     return run(RunConfig(engine_dir, image=image, fit=fit, background=background,
@@ -249,13 +254,16 @@ def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serv
                          livekit=livekit, agent_name=agent_name, check=check,
                          health_port=health_port, grace_period=grace_period,
                          allow_hosts=allow_hosts, allow_origins=allow_origins,
-                         sessions=sessions, over_capacity=over_capacity))
+                         sessions=sessions, over_capacity=over_capacity, batch=batch))
 
 
 def run(cfg: RunConfig):
     """Run the mode `cfg` selects (RunConfig.mode); bad input ends in one line. Once the
     input is checked, the engine's files are read into the page cache in the background
     (runtime/prefetch.py) while torch is imported."""
+    if cfg.sessions != AUTO and cfg.batch > cfg.sessions:
+        raise click.UsageError(f"--batch {cfg.batch} is more than the {cfg.sessions} "
+                               "session(s) of --sessions")
     if cfg.mode == "check":
         readahead_in_background(cfg.engine_dir)
         return ready_check(cfg)
@@ -347,7 +355,7 @@ def _serve_engine(cfg: RunConfig, image_fit: ImageFit, readiness, probes, drain,
         metrics = probes.metrics = Metrics(target_fps=engine.config.model.fps)
         readiness.loading("loading the weights, warm-up and graph capture")
         # TP engines: rank 0 here, one process per TP rank
-        worker = open_worker(engine, cfg.sessions, cfg.over_capacity)
+        worker = open_worker(engine, cfg.sessions, cfg.over_capacity, cfg.batch)
         note = side_networks_note(engine)
         if note:
             click.echo(note, err=True)

@@ -638,13 +638,19 @@ class RemotePipeline(Pipeline):
             raise
 
 
-def open_worker(engine: Engine, sessions: int | str = 1, over_capacity: bool = False):
+def open_worker(engine: Engine, sessions: int | str = 1, over_capacity: bool = False,
+                batch: int = 1):
     """The worker for an engine's layout: TP-1 in this process, else (or where the target
     puts its ranks in processes of their own) rank 0 of a group. `sessions`: the sessions it
     serves at once over one copy of the engine (runtime/lanes.py; on a group, every rank
-    holds a session per lane)."""
+    holds a session per lane); `batch`: the most of their steps run as one batch (a TP-1
+    worker's; a group steps its sessions one at a time)."""
     if not engine.target.mapping(0).host_process:
         from .worker import Worker
 
-        return Worker(engine, sessions=sessions, over_capacity=over_capacity)
+        return Worker(engine, sessions=sessions, over_capacity=over_capacity, batch=batch)
+    if batch > 1:
+        raise EngineError(f"--batch {batch}: engine {engine.target.name} runs its ranks in "
+                          "processes of their own, which step sessions one at a time; give "
+                          "--batch 1")
     return DistributedWorker(engine, sessions=sessions, over_capacity=over_capacity)

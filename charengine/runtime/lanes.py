@@ -10,7 +10,11 @@ does reaches another.
 `Turns` gives the steps of all lanes to the device one at a time, the earliest deadline
 first: a lane asks for its turn with the step's deadline and runs its step (on a GPU: queues
 its graph's replay) when no step with an earlier deadline waits. A step that names no
-deadline is due when it asks (so equal budgets make it first come, first served)."""
+deadline is due when it asks (so equal budgets make it first come, first served). With a
+worker's `batch` above one, the steps that wait when the device frees run as one batch
+(stepping.Together: their tokens stacked through the GEMMs, each attending over its own
+cache): under load the sessions step together, and a step that finds the device free runs
+alone at once."""
 
 from __future__ import annotations
 
@@ -38,47 +42,84 @@ class Capacity:
     """What one steady step of one session costs each device (busy seconds: the diffusion
     on the DiT's, the audio encode and the decode on the decoder's), the step's real-time
     budget, whether the two devices are one, and so how many sessions fit in the budget less
-    REALTIME_MARGIN."""
+    REALTIME_MARGIN. With batches (`batch` above one), `batch_s` is one batched step of that
+    many sessions on the DiT's device, and a session's diffusion costs the lesser of its
+    step alone and its share of the batch."""
 
     diffusion_s: float
     side_s: float
     budget_s: float
     shared_device: bool
     target: str
+    batch: int = 1
+    batch_s: float | None = None
+
+    @property
+    def session_diffusion_s(self) -> float:
+        """A session's diffusion a step: alone, or its share of a batch where that is less."""
+        if self.batch_s is None:
+            return self.diffusion_s
+        return min(self.diffusion_s, self.batch_s / self.batch)
 
     @property
     def per_step_s(self) -> float:
         """The busiest device's time a step: both parts where they share it."""
         if self.shared_device:
-            return self.diffusion_s + self.side_s
-        return max(self.diffusion_s, self.side_s)
+            return self.session_diffusion_s + self.side_s
+        return max(self.session_diffusion_s, self.side_s)
 
     @property
     def sessions(self) -> int:
         return int(self.budget_s * (1 - REALTIME_MARGIN) // self.per_step_s)
 
     def describe(self) -> str:
+        batched = "" if self.batch_s is None else \
+            (f"; its diffusion {self.session_diffusion_s * 1e3:.1f} ms in batches of "
+             f"{self.batch}, {self.diffusion_s * 1e3:.1f} ms alone")
         return (f"this machine holds {self.sessions} real-time session"
                 f"{'' if self.sessions == 1 else 's'} of {self.target} (a step's time on its "
                 f"busiest device {self.per_step_s * 1e3:.1f} ms of its "
-                f"{self.budget_s * 1e3:.1f} ms, {REALTIME_MARGIN:.0%} kept free)")
+                f"{self.budget_s * 1e3:.1f} ms, {REALTIME_MARGIN:.0%} kept free{batched})")
 
     def to_dict(self) -> dict:
         return {"diffusion_s": self.diffusion_s, "side_s": self.side_s,
                 "budget_s": self.budget_s, "shared_device": self.shared_device,
+                "batch": self.batch, "batch_s": self.batch_s,
                 "per_step_s": self.per_step_s, "sessions": self.sessions,
                 "margin": REALTIME_MARGIN}
 
 
-class Turns:
-    """One step at a time across a worker's lanes, earliest deadline first."""
+@dataclass(eq=False)
+class Request:
+    """One step waiting for the device: `order` (deadline, arrival) places it in the queue;
+    `session` and its inputs where it may join a batch (None: a turn of its own)."""
 
-    def __init__(self):
+    order: tuple[float, int]
+    session: object = None
+    noise: torch.Tensor | None = None
+    audio: torch.Tensor | None = None
+    result: object = None
+    error: BaseException | None = None
+    done: bool = False
+
+    def __lt__(self, other: Request) -> bool:
+        return self.order < other.order
+
+
+class Turns:
+    """One step at a time across a worker's lanes, earliest deadline first; with `together`
+    (stepping.Together), the steps that wait when the device frees and may join a batch run
+    as one, up to its `most`: the earliest leads, the others with the earliest deadlines
+    after it join. A step that asks while the device is free runs at once, alone."""
+
+    def __init__(self, together=None):
         self._cond = threading.Condition()
-        self._waiting: list[tuple[float, int]] = []  # (deadline, arrival) heap
+        self._waiting: list[Request] = []  # a heap by order
         self._arrivals = itertools.count()
         self._busy = False
+        self.together = together
         self.taken = 0  # steps run so far (all lanes)
+        self.batches = 0  # of them, the batches of more than one step
 
     @property
     def waiting(self) -> int:
@@ -86,24 +127,83 @@ class Turns:
         with self._cond:
             return len(self._waiting)
 
+    def _queue(self, req: Request) -> bool:
+        """Wait for `req`'s turn; True when its caller runs it (and whatever joined it),
+        False when it ran in another's batch."""
+        with self._cond:
+            heapq.heappush(self._waiting, req)
+            while not req.done and (self._busy or self._waiting[0] is not req):
+                self._cond.wait()
+            if req.done:
+                return False
+            heapq.heappop(self._waiting)
+            self._busy = True
+            return True
+
+    def _release(self, steps: int) -> None:
+        with self._cond:
+            self._busy = False
+            self.taken += steps
+            self.batches += steps > 1
+            self._cond.notify_all()
+
+    def _order(self, deadline: float | None) -> tuple[float, int]:
+        return (time.monotonic() if deadline is None else deadline, next(self._arrivals))
+
     @contextmanager
     def turn(self, deadline: float | None = None):
         """Hold the device for one step: waits while another step runs or one with an
         earlier deadline (time.monotonic() seconds; None: now) waits."""
-        mine = (time.monotonic() if deadline is None else deadline, next(self._arrivals))
-        with self._cond:
-            heapq.heappush(self._waiting, mine)
-            while self._busy or self._waiting[0] != mine:
-                self._cond.wait()
-            heapq.heappop(self._waiting)
-            self._busy = True
+        self._queue(Request(self._order(deadline)))
         try:
             yield
         finally:
+            self._release(1)
+
+    def _joiners(self, lead: Request) -> list[Request]:
+        """The waiting steps that join `lead`'s batch, earliest deadline first (taken off
+        the queue)."""
+        if self.together is None or lead.session.batch_kind() is None:
+            return []
+        with self._cond:
+            fit = sorted(r for r in self._waiting
+                         if r.session is not None and r.session.batch_kind() is not None)
+            joined = fit[: self.together.most - 1]
+            if joined:
+                self._waiting = [r for r in self._waiting if r not in joined]
+                heapq.heapify(self._waiting)
+        return joined
+
+    def step(self, session, noise: torch.Tensor, audio: torch.Tensor,
+             deadline: float | None = None):
+        """`session`'s next step in its turn, alone or in a batch: (its latent, the busy
+        span of the step or of the batch it ran in)."""
+        req = Request(self._order(deadline), session, noise, audio)
+        if not self._queue(req):
+            if req.error is not None:
+                raise req.error
+            return req.result
+        batch = [req, *self._joiners(req)]
+        try:
+            span = DeviceSpan(session.device)
+            if len(batch) == 1:
+                outs = [session.step(noise, audio)]
+            else:
+                outs = self.together([r.session for r in batch], [r.noise for r in batch],
+                                     [r.audio for r in batch])
+            span.end()
+            for r, out in zip(batch, outs):
+                r.result = (out, span)
+        except BaseException as e:
+            for r in batch:
+                r.error = e
+            raise
+        finally:
             with self._cond:
-                self._busy = False
-                self.taken += 1
-                self._cond.notify_all()
+                for r in batch[1:]:
+                    r.done = True
+            self._release(len(batch))
+        return req.result
 
 
 class Lane:
@@ -161,12 +261,9 @@ class Lane:
         def diffuse(i, feats):
             noise = torch.randn(shape, generator=g).to(self.device)
             feats = feats.to(self.device)
-            with self.worker.turns.turn():
-                span = DeviceSpan(self.device)
-                latent = self.session.step(noise, feats)
-                # the step's busy time; the decoder waits for its end (span.done): this step
-                # only, not the next one's work
-                return Timed(latent, span.end())
+            # the step's busy time (of the batch it ran in); the decoder waits for its end
+            # (span.done): this step only, not the next one's work
+            return Timed(*self.worker.turns.step(self.session, noise, feats))
 
         # a decoder that streams latent by latent (LiveTalk's) gives a live session each
         # latent's frames as they are decoded, and a render the frames of those same calls

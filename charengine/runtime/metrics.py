@@ -141,6 +141,26 @@ class LiveCollector:
             yield g
 
 
+class TurnsCollector:
+    """The device's steps as counters, read from the worker's turns (runtime/lanes.py) at
+    each scrape: every step run, and those run in a batch with other sessions' steps."""
+
+    def __init__(self, turns):
+        self.turns = turns
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        yield CounterMetricFamily("charengine_device_steps", "Steps run on the device, every "
+                                  "session's", value=self.turns.taken)
+        yield CounterMetricFamily("charengine_device_batches", "Batches of more than one "
+                                  "session's step run as one (--batch)",
+                                  value=self.turns.batches)
+
+
 class Metrics:
     def __init__(self, target_fps: float = 24.0, interval_s: float = 10.0,
                  window_s: float = LIVE_WINDOW_S,
@@ -209,6 +229,10 @@ class Metrics:
 
     def set_capacity(self, n: int) -> None:
         self.capacity_gauge.set(n)
+
+    def watch_turns(self, turns) -> None:
+        """Report the worker's steps and batches (TurnsCollector) from now on."""
+        self.registry.register(TurnsCollector(turns))
 
     # ---- one session's calls, for a worker of one session (the last started) -----------
     def session_started(self) -> None:

@@ -36,7 +36,8 @@ class RunConfig:
     localhost and `allow_hosts`, and take state-changing requests from the page's own origin,
     `allow_origins` or no web page (runtime/access.py). `sessions`: the live sessions --serve
     runs at once over one copy of the engine (runtime/lanes.py), refused past what the
-    machine holds in real time unless `over_capacity`. `check` loads the engine, reports its
+    machine holds in real time unless `over_capacity`; `batch`, the most of their steps
+    that run as one batch when they wait together (1: each alone). `check` loads the engine, reports its
     start-up and exits."""
 
     engine_dir: Path
@@ -61,6 +62,7 @@ class RunConfig:
     allow_origins: tuple[str, ...] = ()
     sessions: int | str = 1  # a count, or AUTO
     over_capacity: bool = False
+    batch: int = 1
 
     def __post_init__(self):
         for name in ("ice_servers", "allow_hosts", "allow_origins"):

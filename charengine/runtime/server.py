@@ -230,6 +230,8 @@ class Server:
         self.last_error: str | None = None
         self.info = engine_info(worker, slack)
         metrics.set_capacity(self.capacity)
+        if getattr(worker, "turns", None) is not None:
+            metrics.watch_turns(worker.turns)
 
     @property
     def capacity(self) -> int:

@@ -22,6 +22,7 @@ import torch
 from charengine.assemble import rank_session
 from charengine.family import family_of
 from charengine.mapping import Mapping
+from charengine.stepping import Together
 from charengine.timing import DeviceSpan, median
 
 from .engine import Engine, EngineError
@@ -83,7 +84,7 @@ def load_side(engine: Engine, family, device: torch.device, parts: dict):
 class Worker:
     def __init__(self, engine: Engine, rank_slice: int | None = None,
                  engine_kernels: bool = True, sessions: int | str = 1,
-                 over_capacity: bool = False):
+                 over_capacity: bool = False, batch: int = 1):
         """`rank_slice`: run one TP rank of a TP engine alone on the first device, its
         all-reduce left out (a benchmark of one rank's work; its frames are not the model's).
         `engine_kernels=False` ignores the engine's compiled kernels and compiles every one
@@ -91,7 +92,9 @@ class Worker:
         the lanes (runtime/lanes.py) this worker serves at once over one copy of the
         engine, each warmed up at start; more than one (or AUTO) measures what the devices
         hold in real time first (`capacity`) and refuses a number past it, unless
-        `over_capacity` (sessions that then play below real time when all are busy)."""
+        `over_capacity` (sessions that then play below real time when all are busy).
+        `batch`: the most sessions' steps run as one batch when they wait together
+        (stepping.Together; on a GPU its graphs are captured here); 1, each step alone."""
         t0 = time.perf_counter()
         cfg = self.cfg = engine.config
         self.target = engine.target  # what the page and /status name
@@ -137,6 +140,9 @@ class Worker:
         # turns on the device
         self.turns = Turns()
         self.lanes = [Lane(self, 0, self.session, self.side.decoder)]
+        if batch > 1 and self.session.batch_step is None:
+            raise EngineError(f"--batch {batch}: the {cfg.family} family steps each session "
+                              "alone; give --batch 1")
         t1 = time.perf_counter()
         steps = 0
         # a steady step's processing time (time_processing), measured where the worker warms
@@ -148,6 +154,15 @@ class Worker:
             with timed(parts, "time_processing_s"):
                 self.processing_s = self.time_processing()
             parts["peak_mb_after_time_processing"] = peak_mb(self.device)
+        # batched steps: their staging caches, and on a GPU a graph per batch size
+        self.together = None
+        if batch > 1:
+            self.together = Together(self.session, batch)
+            if self.device.type == "cuda":
+                with timed(parts, "batch_capture_s"):
+                    self.together.capture(self.session, self.family.step_shapes(self.spec))
+                parts["peak_mb_after_batch_capture"] = peak_mb(self.device)
+            self.turns.together = self.together
         # more sessions than one: how many this device holds in real time, measured here,
         # decides `auto` and refuses a number it cannot hold
         self.capacity: Capacity | None = None
@@ -260,10 +275,24 @@ class Worker:
             diffusion.append(span.seconds(wait=True))
             side.append(feats.span.seconds(wait=True) +
                         sum(d.span.seconds(wait=True) for d in decoded))
+        batch_s = None
+        if self.together is not None:  # a batch of the most it takes, each place this step
+            most, kind = self.together.most, self.session.batch_kind()
+            feats = lane.encode_window(window, 1).to(self.device)
+            batches = []
+            for _ in range(steps):
+                noise = [torch.randn(shapes.noise_shape, generator=g).to(self.device)
+                         for _ in range(most)]
+                span = DeviceSpan(self.device)
+                self.together.stage([self.session] * most)  # its copies are its cost too
+                self.together.run([kind] * most, noise, [feats] * most)
+                batches.append(span.end().seconds(wait=True))
+            batch_s = median(batches)
         self.side.decoder.reset()
         budget = self.family.step_frames(self.spec, 1) / self.spec.fps
         return Capacity(median(diffusion), median(side), budget,
-                        self.decoder_device == self.device, self.target.name)
+                        self.decoder_device == self.device, self.target.name,
+                        self.together.most if self.together else 1, batch_s)
 
     @property
     def compiles(self) -> int:
