@@ -6,11 +6,13 @@ every session's stalls, chunk latency (a step's speech take to its first frames)
 p99, speech to lips p50 / p90 (from the server's per-session metrics), join to first frame
 (the client's offer to its first video frame), and the server's GPU memory; and
 `sessions_realtime`, the largest N with no stall in any session and chunk latency p90 at
-most CHUNK_P90_LIMIT_S.
+most CHUNK_P90_LIMIT_S. `--batch` compares the schedulers in the same call: 1, every step
+alone, earliest deadline first; `n`, the steps that wait together batched up to N (charrun
+--batch N), with the batches the server ran counted from its /metrics.
 
     charbuild --target h200-livetalk --random-weights --out /tmp/lt
     python scripts/bench_density.py --engine /tmp/lt --sessions 1,2,4,8 --minutes 10 \\
-        --out docs/results/livetalk/density_livetalk-1.3b_h200.json
+        --batch 1,n --out docs/results/livetalk/density_livetalk-1.3b_h200.json
     python scripts/bench_density.py --engine engines/cpu-tiny --sessions 1,2 --minutes 0.5
 
 WebRTC needs an address other than loopback to gather candidates on: `--netns` (root and
@@ -185,6 +187,12 @@ def gpu_memory_mb(pid: int) -> float | None:
     return sum(used) if used else None
 
 
+def device_counts(metrics: str) -> dict[str, float]:
+    """The server's steps and batches so far (charengine_device_*_total)."""
+    found = re.findall(r"^charengine_device_(steps|batches)_total (\S+)$", metrics, re.M)
+    return {name: float(value) for name, value in found}
+
+
 def per_session(metrics: str) -> dict[str, dict]:
     """Each session's labelled series from /metrics: {session: {name: value or {q: value}}}."""
     out: dict[str, dict] = {}
@@ -211,7 +219,8 @@ async def load(url: str, n: int, seconds: float, probes: str, pid: int) -> dict:
     _, metrics = http(probes + "/metrics")
     memory = gpu_memory_mb(pid)
     await asyncio.gather(*tasks)
-    figures = per_session(metrics if isinstance(metrics, str) else "")
+    metrics = metrics if isinstance(metrics, str) else ""
+    figures = per_session(metrics)
     sessions = []
     for i, (sid, c) in enumerate(zip(sorted(figures, key=int), clients)):
         f = figures[sid]
@@ -226,13 +235,13 @@ async def load(url: str, n: int, seconds: float, probes: str, pid: int) -> dict:
         s["stalls"] == 0 and s["chunk_latency_s"] and
         s["chunk_latency_s"].get("0.9", np.inf) <= CHUNK_P90_LIMIT_S for s in sessions)
     return {"n": n, "sessions": sessions, "refused": refused, "gpu_memory_mb": memory,
-            "realtime": realtime}
+            "device": device_counts(metrics), "realtime": realtime}
 
 
-def serve(engine: str, n: int, port: int, health_port: int) -> subprocess.Popen:
+def serve(engine: str, n: int, batch: int, port: int, health_port: int) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-m", "charengine.runtime.cli", "--engine", engine,
                           "--serve", "--port", str(port), "--health-port", str(health_port),
-                          "--sessions", str(n), "--over-capacity"],
+                          "--sessions", str(n), "--batch", str(batch), "--over-capacity"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     end = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < end:
@@ -254,6 +263,9 @@ def main(argv=None) -> None:
     ap.add_argument("--engine", required=True)
     ap.add_argument("--sessions", default="1,2,4,8", help="the N to load, comma-separated")
     ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--batch", default="1",
+                    help="the schedulers, comma-separated: 1 (every step alone), n (batches "
+                         "of up to each N), or a count (batches of up to it, at most N)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--netns", action="store_true",
                     help="run inside a network namespace of its own (root, iproute2)")
@@ -267,31 +279,43 @@ def main(argv=None) -> None:
             sys.exit(subprocess.call(["ip", "netns", "exec", name, sys.executable,
                                       str(Path(__file__).resolve()), *rest]))
     results = []
-    for n in (int(x) for x in args.sessions.split(",")):
-        port, health = free_port(), free_port()
-        server = serve(args.engine, n, port, health)
-        try:
-            r = asyncio.run(load(f"http://127.0.0.1:{port}", n, args.minutes * 60,
-                                 f"http://127.0.0.1:{health}", server.pid))
-        finally:
-            server.terminate()
-            server.wait(60)
-        results.append(r)
-        print(json.dumps({"n": n, "realtime": r["realtime"], "refused": r["refused"],
-                          "memory_mb": r["gpu_memory_mb"],
-                          "stalls": [s["stalls"] for s in r["sessions"]],
-                          "chunk_p90_s": [(s["chunk_latency_s"] or {}).get("0.9")
-                                          for s in r["sessions"]],
-                          "first_frame_s": [s["join_to_first_frame_s"]
-                                            for s in r["sessions"]]}), flush=True)
+    for choice in args.batch.split(","):
+        for n in (int(x) for x in args.sessions.split(",")):
+            batch = n if choice == "n" else min(n, int(choice))
+            port, health = free_port(), free_port()
+            server = serve(args.engine, n, batch, port, health)
+            try:
+                r = asyncio.run(load(f"http://127.0.0.1:{port}", n, args.minutes * 60,
+                                     f"http://127.0.0.1:{health}", server.pid))
+            finally:
+                server.terminate()
+                server.wait(60)
+            r["batch"], r["scheduler"] = batch, choice
+            results.append(r)
+            report(r)
     held = [r["n"] for r in results if r["realtime"]]
+    by = {c: max((r["n"] for r in results if r["realtime"] and r["scheduler"] == c), default=0)
+          for c in args.batch.split(",")}
     doc = {"engine": os.path.abspath(args.engine), "minutes": args.minutes,
            "date": time.strftime("%Y-%m-%d"), "chunk_p90_limit_s": CHUNK_P90_LIMIT_S,
-           "sessions_realtime": max(held, default=0), "runs": results}
-    print(json.dumps({"sessions_realtime": doc["sessions_realtime"]}))
+           "sessions_realtime": max(held, default=0), "sessions_realtime_by_batch": by,
+           "runs": results}
+    print(json.dumps({"sessions_realtime": doc["sessions_realtime"], "by_batch": by}))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def report(r: dict) -> None:
+    """One line of an N's run."""
+    print(json.dumps({"n": r["n"], "batch": r["batch"], "device": r["device"],
+                      "realtime": r["realtime"], "refused": r["refused"],
+                      "memory_mb": r["gpu_memory_mb"],
+                      "stalls": [s["stalls"] for s in r["sessions"]],
+                      "chunk_p90_s": [(s["chunk_latency_s"] or {}).get("0.9")
+                                      for s in r["sessions"]],
+                      "first_frame_s": [s["join_to_first_frame_s"]
+                                        for s in r["sessions"]]}), flush=True)
 
 
 if __name__ == "__main__":
