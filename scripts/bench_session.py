@@ -3,8 +3,11 @@ left out), a live-length session with the cache full and resets included, per-st
 (CUDA events on a GPU), the step's FLOPs against the dense peaks, a profile of the graphed
 steady steps with each kernel's time grouped as the family groups them (`kernel_groups`),
 where the family's model labels its regions a profile of eager steps laid out like the
-paper's Table 2, the first steps of new sessions (--fill-sessions), and where a family has
-them (scripts/floors_<family>.py) the step's GEMMs and attention timed alone.
+paper's Table 2, the first steps of new sessions (--fill-sessions), where a family has
+them (scripts/floors_<family>.py) the step's GEMMs and attention timed alone, and where a
+family has a batched step (--batches 2,4,8) a batch of that many sessions' steady steps as
+charrun --batch runs one (stepping.Together: the staging copies and, on a GPU, the batch
+size's graph), with a session-chunk's share of it.
 
 With --engine, the rank is loaded as charrun loads it (runtime/worker.py: the engine's
 weights, tables, GEMM plan and compiled kernels, the warm-up that captures the step
@@ -17,6 +20,7 @@ assembly) with the GEMM plan charbuild would measure (builder/bake.py).
     python scripts/bench_session.py --preset characters-57b --tp 3 --arm production
     python scripts/bench_session.py --preset livetalk-1.3b --steps 40 --exclude 10 \
         --profile-graph-steps 6 --fill-sessions 3
+    python scripts/bench_session.py --engine /tmp/lt --steps 40 --batches 2,4,8
     python scripts/bench_session.py --preset tiny --device cpu --steps 100 --exclude 20
 
 Writes one JSON per run (docs/results/session_<preset>_<layout>_<gpu>_<arm>_<run>.json).
@@ -41,7 +45,7 @@ from charengine.config import preset
 from charengine.engine_format import this_machine
 from charengine.family import family_of
 from charengine.mapping import Mapping
-from charengine.stepping import Session
+from charengine.stepping import Session, Together
 from charengine.timing import Mark, Span, median, percentile
 
 # dense tensor-core peaks of an H100/H200 SXM (TFLOP/s)
@@ -238,6 +242,41 @@ def fill_steps(session, shapes, inputs, steady: int, sessions: int, device) -> l
     return [{"step": k, "ms": ms, "ms_p50": median(ms)} for k, ms in enumerate(times)]
 
 
+def batched_steps(session: Session, shapes, inputs, sizes: list[int], graphed: bool,
+                  runs: int, device) -> list[dict] | None:
+    """The family's batched step at each size in `sizes` (2 or more), as charrun --batch runs
+    it (stepping.Together over staging caches, a graph per size on a GPU), each place of the
+    batch staged from `session` at a steady step: the batch's time with its staging copies
+    (medians of `runs`), a session-chunk's share of it, and the copies timed alone. None
+    where the family has no batched step."""
+    if session.batch_step is None or not sizes:
+        return None
+    for _ in range(session.rule.warm_up_limit):  # to a step that joins a batch
+        if session.batch_kind() is not None:
+            break
+        session.step(*inputs())
+    together = Together(session, max(sizes))
+    if graphed:
+        together.capture(session, shapes)
+    kind, out = session.batch_kind(), []
+    for n in sizes:
+        total, copies = [], []
+        for _ in range(runs):
+            xs = [inputs() for _ in range(n)]
+            with Span(device) as sp:
+                together.stage([session] * n)
+            copies.append(sp.ms)
+            with Span(device) as sp:
+                together.stage([session] * n)
+                together.run([kind] * n, [x[0] for x in xs], [x[1] for x in xs])
+            total.append(sp.ms)
+        out.append({"sessions": n, "batch_ms_p50": median(total),
+                    "session_chunk_ms_p50": median(total) / n,
+                    "staging_copies_ms_p50": median(copies), "batch_ms": total,
+                    "graphed": n in together.graphs})
+    return out
+
+
 def engine_session(path: Path, rank: int, engine_kernels: bool = True):
     """TP rank `rank` of the engine at `path` as charrun loads it: runtime/worker.py's Worker
     (over the rank's slice on a TP engine: weights, tables, GEMM plan and compiled kernels,
@@ -313,6 +352,10 @@ def main():
     ap.add_argument("--fill-sessions", type=int, default=0,
                     help="new sessions whose first steps are timed")
     ap.add_argument("--no-graphs", action="store_true", help="eager steps (no CUDA graphs)")
+    ap.add_argument("--batches", default="", metavar="N,...",
+                    help="batch sizes (2 or more) of the family's batched step to time")
+    ap.add_argument("--batch-runs", type=int, default=10,
+                    help="batches timed at each size (medians)")
     ap.add_argument("--switches", default=None, metavar="NAME=0|1,...",
                     help="switches of the arm turned on or off")
     ap.add_argument("--fast-accum", default=None, metavar="LINEARS",
@@ -401,6 +444,11 @@ def main():
         except ModuleNotFoundError:
             floors_mod = None
         measured = floors_mod.measured_floors(session, device, plan) if floors_mod else None
+        sizes = [int(x) for x in args.batches.split(",") if x]
+        if any(n < 2 for n in sizes):
+            raise SystemExit("--batches: sizes of 2 or more (a batch of one is the step)")
+        batched = batched_steps(session, shapes, inputs, sizes, graphed, args.batch_runs,
+                                device)
     if backends is not None:
         backends.__exit__(None, None, None)
 
@@ -434,7 +482,7 @@ def main():
         "step_over_dense_floor": d50 / sum(floors.values()),
         "components_ms": comps, "kernels_per_step": kernels,
         "graphed_step_profile": graphed_profile, "fill_steps": fill,
-        "floors_ms": measured,
+        "floors_ms": measured, "batched": batched,
         "step_over_floor": d50 / (measured["fp8_gemm_ms"] + measured["attention_ms"])
         if measured else None,
         "build_s": build_s, "session_start_s": start_s,
@@ -456,6 +504,10 @@ def main():
         print("components (ms/step): " + ", ".join(f"{k}={v:.2f}" for k, v in comps.items()))
     if kernels:
         print("kernels per step: " + ", ".join(f"{k}={v:.0f}" for k, v in kernels.items()))
+    for b in batched or ():
+        print(f"batch of {b['sessions']}: {b['batch_ms_p50']:.2f} ms, "
+              f"{b['session_chunk_ms_p50']:.2f} ms a session's step (alone {d50:.2f}), "
+              f"staging copies {b['staging_copies_ms_p50']:.2f} ms")
     print("floors at the dense peaks (ms/step): " + ", ".join(
         f"{k}={v:.2f}" for k, v in floors.items()))
     if measured:

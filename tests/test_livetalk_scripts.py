@@ -129,12 +129,12 @@ def test_the_characters_waterfall_and_a_long_sessions_drift(tmp_path):
 @pytest.mark.parametrize("name", ["tiny", "tiny-livetalk"])
 def test_where_a_steps_time_goes_for_either_family(tmp_path, name):
     """bench_session.py on a CPU: the steps timed after the family's first steady one, the
-    step's FLOPs from the family, a new session's first steps, and (where the family's model
+    step's FLOPs from the family, a new session's first steps, (where the family's model
     labels its regions, the characters family's) the regions' times and the floors measured
-    alone."""
+    alone, and (where it has a batched step, LiveTalk's) batches of 2 and 3 sessions."""
     script("bench_session.py", "--preset", name, "--device", "cpu", "--gpu-tag", "cpu",
            "--steps", 12, "--profile-steps", 1, "--profile-graph-steps", 0,
-           "--fill-sessions", 1, "--out", tmp_path)
+           "--fill-sessions", 1, "--batches", "2,3", "--batch-runs", 2, "--out", tmp_path)
     d = json.loads((tmp_path / f"session_{name}_tp1_cpu_production_1.json").read_text())
     # every step timed, the median one of the steady ones
     assert len(d["diffusion_ms"]) == 12
@@ -146,5 +146,9 @@ def test_where_a_steps_time_goes_for_either_family(tmp_path, name):
         # and both floors measured
         assert {"fp8_gemm", "attention", "total"} <= set(d["components_ms"])
         assert set(d["floors_ms"]) == {"fp8_gemm_ms", "attention_ms"}
+        assert d["batched"] is None  # the characters family steps each session alone
     else:
         assert d["components_ms"] == {} and d["floors_ms"] is None
+        assert [b["sessions"] for b in d["batched"]] == [2, 3]
+        assert all(len(b["batch_ms"]) == 2 and b["session_chunk_ms_p50"] > 0 and
+                   not b["graphed"] for b in d["batched"])
