@@ -1,10 +1,13 @@
 """Reading and checking a checkpoint, for any model family: safetensors only (nothing is ever
-unpickled), and every tensor checked against the family's layout, the first mismatch one
-CheckpointError line naming the tensor. And the random checkpoints of benchmarks and tests:
-each tensor drawn from a seed of its own name (`seeded_randn`)."""
+unpickled), one file or shards listed by their index (`*.safetensors.index.json`, as
+released checkpoints of many gigabytes come), and every tensor checked against the family's
+layout, the first mismatch one CheckpointError line naming the tensor. And the random
+checkpoints of benchmarks and tests: each tensor drawn from a seed of its own name
+(`seeded_randn`)."""
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,8 +30,83 @@ def seeded_randn(name: str, shape: tuple[int, ...], seed: int, device="cpu") -> 
     return torch.randn(shape, generator=g, device=device)
 
 
+INDEX_SUFFIX = ".safetensors.index.json"  # a sharded checkpoint's index
+
+
+def index_of(path: Path) -> Path | None:
+    """The shard index `path` names: the index file itself, or a directory's one index (None:
+    `path` is one safetensors file, or a directory holding exactly one)."""
+    path = Path(path)
+    if path.name.endswith(INDEX_SUFFIX):
+        return path
+    if path.is_dir():
+        found = sorted(path.glob("*" + INDEX_SUFFIX))
+        if len(found) > 1:
+            raise CheckpointError(f"{path}: holds {len(found)} shard indexes "
+                                  f"({', '.join(p.name for p in found)}); name one")
+        return found[0] if found else None
+    return None
+
+
+def shard_map(index: Path) -> dict[str, list[str]]:
+    """A shard index's shards (file names, in the order they first appear) and the tensors
+    each holds; an index that does not parse is one line."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise ValueError("weight_map is not a map of tensor names to shard files")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a shard index ({e})") from None
+    shards: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        if Path(shard).name != shard:
+            raise CheckpointError(f"{index}: tensor {name!r} is in {shard!r}, outside the "
+                                  "index's directory")
+        shards.setdefault(shard, []).append(name)
+    return shards
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The files a checkpoint path reads: one safetensors file, or an index and its shards."""
+    path = Path(path)
+    index = index_of(path)
+    if index is None:
+        if path.is_dir():
+            found = sorted(path.glob("*.safetensors"))
+            if len(found) != 1:
+                raise CheckpointError(f"{path}: no shard index (*{INDEX_SUFFIX}) and "
+                                      f"{len(found)} safetensors files; name the file")
+            return found
+        return [path]
+    return [index] + [index.parent / shard for shard in shard_map(index)]
+
+
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file; a missing or unreadable file is one line."""
+    """Every tensor of a checkpoint: a safetensors file, or the shards its index lists (the
+    index, or a directory holding it). A missing or unreadable file, a shard missing, or a
+    tensor its index places in a shard that lacks it: one line."""
+    path = Path(path)
+    index = index_of(path)
+    if index is None:
+        return _read_file(checkpoint_files(path)[0])
+    state: dict[str, torch.Tensor] = {}
+    for shard, names in shard_map(index).items():
+        file = index.parent / shard
+        if not file.is_file():
+            raise CheckpointError(f"{index}: shard {shard!r} is missing (it holds "
+                                  f"{names[0]!r}{f' and {len(names) - 1} more' if len(names) > 1 else ''})")
+        tensors = _read_file(file)
+        absent = [n for n in names if n not in tensors]
+        if absent:
+            raise CheckpointError(f"{file}: no tensor {absent[0]!r}, which {index.name} "
+                                  "places in it")
+        state.update((n, tensors[n]) for n in names)
+    return state
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file; a missing or unreadable file is one line."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     try:

@@ -3,6 +3,7 @@ compile every kernel a session runs on the target GPU into it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -11,11 +12,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from charengine.checkpoint import checkpoint_files
 from charengine.config import config_to_dict
 from charengine.engine_format import (ADALN, FORMAT_VERSION, MANIFEST, ONNX, QUACK_KERNELS,
                                       SIDE, TRITON_KERNELS, checksums, engine_files, gpu_arch,
                                       rank_file, sha256, this_machine)
 from charengine.family import family_of
+from charengine.lora import merge_lora, read_lora
 from charengine.target import Target
 
 from .build_config import BuildConfig
@@ -26,6 +29,18 @@ from .so_check import StaticLibstdcxx, check_shared_objects
 
 class BuildError(ValueError):
     pass
+
+
+def checkpoint_sha256(path: Path) -> str:
+    """A checkpoint's digest for the manifest: its file's sha256, or for shards the sha256
+    of the index's and each shard's sha256 in turn."""
+    files = checkpoint_files(path)
+    if len(files) == 1:
+        return sha256(files[0])
+    h = hashlib.sha256()
+    for f in files:
+        h.update(sha256(f).encode())
+    return h.hexdigest()
 
 
 def build_device(target: Target, kernels: bool) -> torch.device:
@@ -127,10 +142,15 @@ def build(config: BuildConfig, log=print) -> dict:
                              "--random-side-networks to build with random ones (the frames are "
                              "then not the model's)")
         state = {k: v.to(device) for k, v in state.items()}
-        source = {"checkpoint": str(weights), "sha256": sha256(weights)}
+        source = {"checkpoint": str(weights), "sha256": checkpoint_sha256(weights)}
     else:
         state, side = fam.random_weights(spec, seed, device), file_side or {}
         source = {"random_seed": seed}
+    if config.lora is not None:
+        lora = read_lora(config.lora)
+        state = merge_lora(state, lora, str(weights) if weights is not None else
+                           f"the random {spec.name} weights")
+        source |= lora.summary() | {"lora_sha256": sha256(config.lora)}
     if file_side is not None:
         named = ", ".join(f"{k} {v}" for k, v in files.items())
         side_source = f"files ({named}; the rest random, seed {side_seed})"

@@ -44,7 +44,8 @@ class BuildConfig:
     files for a family whose checkpoint holds only the DiT (LiveTalk: "vae" a Wan 2.1 VAE
     .pth, "wav2vec" a wav2vec2 directory, "prompt_features" a safetensors of umT5 features
     or "text_encoder" a umT5 directory with "prompt" the text to encode). `export_onnx` also
-    writes the decoder and the audio encoder as ONNX into the engine (builder/onnx_export.py)."""
+    writes the decoder and the audio encoder as ONNX into the engine (builder/onnx_export.py).
+    `lora`: a LoRA file merged into the weights before they are quantized (charengine/lora.py)."""
 
     target: Target | str
     out: Path
@@ -56,9 +57,12 @@ class BuildConfig:
     random_side_networks: bool = False
     side_files: tuple[tuple[str, str], ...] = ()  # (name, path or text) pairs, given ones only
     export_onnx: bool = False
+    lora: Path | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "out", Path(self.out))
+        if self.lora is not None:
+            object.__setattr__(self, "lora", Path(self.lora))
         if self.weights is not None:
             object.__setattr__(self, "weights", Path(self.weights))
         object.__setattr__(self, "side_files", tuple((k, str(v)) for k, v in

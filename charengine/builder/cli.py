@@ -54,7 +54,8 @@ def family_inputs(command):
 
 
 def config_of(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels,
-              random_side_networks, side_files=(), export_onnx=False) -> BuildConfig:
+              random_side_networks, side_files=(), export_onnx=False,
+              lora=None) -> BuildConfig:
     """The BuildConfig charbuild's flags give: without --weights or --random-weights, the
     preset's embedded checkpoint (or random weights for a test-size preset)."""
     if ranks is not None:
@@ -83,7 +84,7 @@ def config_of(target_name, out, weights, random_weights, seed, preset_name, rank
     return BuildConfig(target, out, weights=weights, seed=None if weights else seed,
                        preset_name=preset_name, ranks=ranks, kernels=not no_kernels,
                        random_side_networks=random_side_networks, side_files=side_files,
-                       export_onnx=export_onnx)
+                       export_onnx=export_onnx, lora=lora)
 
 
 # errno of a write that found no room: a full disk, a file-size limit, a full quota
@@ -111,8 +112,12 @@ def write_failure(e: BaseException) -> str | None:
                    "directory, which is replaced once the new engine is complete.")
 @click.option("--weights", type=click.Path(path_type=Path),
               help="Full-precision safetensors checkpoint of the model (its family's layout: "
-                   "charengine/characters/weights.py, charengine/livetalk/weights.py).")
+                   "charengine/characters/weights.py, charengine/livetalk/weights.py): one "
+                   "file, or shards by their *.safetensors.index.json (or its directory).")
 @click.option("--random-weights", is_flag=True, help="Random weights of the exact shapes.")
+@click.option("--lora", type=click.Path(path_type=Path),
+              help="A LoRA (safetensors, PEFT's or kohya's layout, its rank and alpha from the "
+                   "file) merged into the weights before they are quantized.")
 @click.option("--random-side-networks", is_flag=True,
               help="Build from a checkpoint that holds no side networks, with random ones "
                    "(the frames are then not the model's; the summaries say so).")
@@ -131,7 +136,7 @@ def write_failure(e: BaseException) -> str | None:
                    "through onnxruntime (pip install 'charengine[onnx]'), for runtimes such as "
                    "TensorRT; charrun does not read them.")
 def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no_kernels,
-         random_side_networks, export_onnx, **side_files):
+         random_side_networks, export_onnx, lora, **side_files):
     """Bake a per-rank engine: FP8 weights and scales, AdaLN tables for the fixed schedule,
     side networks, a GPU target's compiled kernels (built on that GPU), and a manifest with
     checksums that charrun checks before loading."""
@@ -149,7 +154,7 @@ def main(target_name, out, weights, random_weights, seed, preset_name, ranks, no
         signal.signal(sig, on_signal)
 
     config = config_of(target_name, out, weights, random_weights, seed, preset_name, ranks,
-                       no_kernels, random_side_networks, side_files, export_onnx)
+                       no_kernels, random_side_networks, side_files, export_onnx, lora)
     try:
         m = build(config, log=lambda s: click.echo(s, err=True))
     except (CheckpointError, ValueError) as e:
