@@ -37,6 +37,10 @@ back (runtime/live.py). The deadlines before a session's own steps are measured
 use the worker's measure of a steady step's processing time (`Worker.time_processing`, at
 ready on a GPU; a CPU worker does not warm up, so here the script measures it the same way
 after a short render: `processing_estimate_s`); --no-estimate leaves them the first step's.
+--turn-s S feeds the speech in turns of S seconds with --pause-s seconds of nothing between
+them, and --burst X has each turn arrive at X times real time, as a TTS sends a turn (the
+figure to read then is `speech_latency`: a turn's first speech to the frame that plays it;
+a chunk's `latency` counts from its speech's arrival, early in a burst).
 --speech-after S feeds S seconds of silent frames before the speech (a session that starts
 listening); by default speech flows from the session's first moment. `first_chunk` is the
 session's start (reference image and prompt) and chunk 0's stages, which set the first
@@ -68,6 +72,7 @@ import dataclasses
 import json
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -108,15 +113,34 @@ def speech_signal(audio: Path | None, sample_rate: int) -> torch.Tensor:
     return torch.from_numpy(x).float()
 
 
+@dataclass(frozen=True)
+class Speaking:
+    """How speech reaches the session: continuously (turn_s 0), or in turns of turn_s
+    seconds, each followed by pause_s seconds in which nothing arrives, a turn's frames
+    arriving at `rate` times real time (4: as a TTS sends a turn, in a burst)."""
+
+    turn_s: float = 0.0
+    pause_s: float = 0.0
+    rate: float = 1.0
+
+    def tag(self) -> str:
+        """The result file's suffix for this way of speaking ('' for continuous speech)."""
+        if not self.turn_s:
+            return ""
+        return f"_turns-{self.turn_s:g}-{self.pause_s:g}" + \
+            (f"_burst-{self.rate:g}" if self.rate != 1 else "")
+
+
 class Feeder:
-    """Pushes `speech` (looped) into a session in real time, one frame of `frame_s` at a
-    time, and records each frame's arrival: the index just past its last sample (counted
-    over all speech pushed) and the clock when it was pushed."""
+    """Pushes `speech` (looped) into a session one frame of `frame_s` at a time, in real
+    time or as `speaking` says, and records each frame's arrival: the index just past its
+    last sample (counted over all speech pushed) and the clock when it was pushed."""
 
     def __init__(self, session: LiveSession, speech: torch.Tensor, sample_rate: int,
-                 frame_s: float = FEED_FRAME_S, clock=time.monotonic, silent_s: float = 0.0):
+                 frame_s: float = FEED_FRAME_S, clock=time.monotonic, silent_s: float = 0.0,
+                 speaking: Speaking = Speaking()):
         """`silent_s`: frames of silence fed first (then the speech, looped)."""
-        self.session, self.clock = session, clock
+        self.session, self.clock, self.speaking = session, clock, speaking
         self.silent = round(silent_s * sample_rate)
         self.speech = torch.cat([speech.new_zeros(self.silent), speech])
         self.frame = round(frame_s * sample_rate)
@@ -136,7 +160,7 @@ class Feeder:
         pushed, k = 0, 0
         n = self.speech.numel()
         while not self.stop.is_set():
-            wait = self.t0 + k * self.frame_s - self.clock()
+            wait = self.t0 + self.due(k) - self.clock()
             if wait > 0:
                 self.stop.wait(wait)
             start = pushed if pushed < n else self.silent + (pushed - n) % (n - self.silent)
@@ -149,6 +173,17 @@ class Feeder:
             pushed += part.numel()
             self.ends.append(pushed)
             k += 1
+
+    def due(self, k: int) -> float:
+        """Seconds from the start to frame k's arrival (the lead-in of silence in real
+        time, then the speech as `speaking` says)."""
+        lead = round(self.silent / self.frame) if self.frame else 0
+        sp = self.speaking
+        if k < lead or not sp.turn_s:
+            return k * self.frame_s
+        per_turn = max(1, round(sp.turn_s / self.frame_s))
+        turn, j = divmod(k - lead, per_turn)
+        return lead * self.frame_s + turn * (sp.turn_s + sp.pause_s) + j * self.frame_s / sp.rate
 
     def arrival(self, sample: int) -> float:
         """When the frame holding speech sample `sample` arrived."""
@@ -207,8 +242,9 @@ def step_frame_starts(worker: Worker, steps: int) -> list[int]:
 
 def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
                  slack: int = 2, seed: int = 0, just_in_time: bool = True,
-                 stream_decode: bool = True, silent_s: float = 0.0) -> dict:
-    """One paced live session of warmup + chunks steps with speech fed in real time; the
+                 stream_decode: bool = True, silent_s: float = 0.0,
+                 speaking: Speaking = Speaking()) -> dict:
+    """One paced live session of warmup + chunks steps with speech fed as `speaking` says; the
     per-chunk latencies (seconds) and their parts, the first frames' time, and the
     session's own metrics."""
     spec = worker.spec
@@ -223,7 +259,8 @@ def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
     session = LiveSession(worker, sink, slack=slack, metrics=metrics, seed=seed,
                           just_in_time=just_in_time, stream_decode=stream_decode)
     session.speech = takes = TakeLog()
-    feeder = Feeder(session, speech, spec.side.sample_rate, silent_s=silent_s)
+    feeder = Feeder(session, speech, spec.side.sample_rate, silent_s=silent_s,
+                    speaking=speaking)
     g = torch.Generator().manual_seed(seed)
     image = torch.rand((3, spec.out_h, spec.out_w), generator=g)
     # a perf_counter time (the pipeline's StepTimes) on the pacer's clock
@@ -368,7 +405,8 @@ def engine_summary(engine: Engine, worker: Worker) -> dict:
 def run(engine_dir: Path, chunks: int, warmup: int | None = None, slack: int = 2,
         unpaced: int = UNPACED_CHUNKS, decode_reps: int = DECODE_REPS,
         audio: Path | None = None, seed: int = 0, just_in_time: bool = True,
-        stream_decode: bool = True, estimate: bool = True, silent_s: float = 0.0) -> dict:
+        stream_decode: bool = True, estimate: bool = True, silent_s: float = 0.0,
+        speaking: Speaking = Speaking()) -> dict:
     """Load the engine as charrun does, then measure; the results document."""
     t = time.perf_counter()
     engine = Engine.load(engine_dir)
@@ -385,7 +423,7 @@ def run(engine_dir: Path, chunks: int, warmup: int | None = None, slack: int = 2
         elif not at_ready:
             worker.processing_s = measure_estimate(worker, speech, seed)
         live = measure_live(worker, speech, chunks, warmup, slack, seed, just_in_time,
-                            stream_decode, silent_s)
+                            stream_decode, silent_s, speaking)
         stages = measure_unpaced(worker, speech, unpaced, seed) if unpaced else {}
         decode = measure_decode(worker, decode_reps, seed) if decode_reps else {}
     finally:
@@ -402,7 +440,7 @@ def run(engine_dir: Path, chunks: int, warmup: int | None = None, slack: int = 2
         "just_in_time": just_in_time, "stream_decode": stream_decode,
         "processing_estimate_s": worker.processing_s,
         "estimate_measured": ("at ready" if at_ready else "by the script") if estimate
-        else None, "speech_after_s": silent_s,
+        else None, "speech_after_s": silent_s, "speaking": dataclasses.asdict(speaking),
         "audio": str(audio) if audio else "synthetic formant speech",
         "latency_ms": live["latency_ms"], "latency_parts_ms": live["parts_ms"],
         "take_to_first_frame_chunks_p50": live["take_to_first_frame_chunks_p50"],
@@ -438,16 +476,28 @@ def main():
                     help="the first deadlines from the first step's processing time")
     ap.add_argument("--speech-after", type=float, default=0.0, metavar="S",
                     help="seconds of silent frames fed before the speech")
+    ap.add_argument("--turn-s", type=float, default=0.0, metavar="S",
+                    help="speech in turns of S seconds (0: continuous speech)")
+    ap.add_argument("--pause-s", type=float, default=3.0, metavar="S",
+                    help="with --turn-s: seconds with nothing arriving after each turn")
+    ap.add_argument("--burst", type=float, default=1.0, metavar="X",
+                    help="with --turn-s: a turn's speech arrives at X times real time, as a "
+                         "TTS sends it")
     ap.add_argument("--out", type=Path, help="default: docs/results/livetalk/latency_<preset>_"
-                    "<gpu or cpu>[_no-jit][_no-stream][_no-estimate][_after-S]_<date>.json")
+                    "<gpu or cpu>[_no-jit][_no-stream][_no-estimate][_after-S]"
+                    "[_turns-S-P[_burst-X]]_<date>.json")
     args = ap.parse_args()
+    if args.burst != 1 and not args.turn_s:
+        ap.error("--burst needs --turn-s: continuous speech faster than real time only "
+                 "piles up")
+    speaking = Speaking(args.turn_s, args.pause_s if args.turn_s else 0.0, args.burst)
     doc = run(args.engine, args.chunks, args.warmup, args.slack, args.unpaced,
               args.decode_reps, args.audio, args.seed, args.just_in_time, args.stream_decode,
-              args.estimate, args.speech_after)
+              args.estimate, args.speech_after, speaking)
     gpu = doc["engine"]["gpu"] or "cpu"
     arm = ("" if args.just_in_time else "_no-jit") + ("" if args.stream_decode else "_no-stream")
     arm += ("" if args.estimate else "_no-estimate") + \
-        (f"_after-{args.speech_after:g}" if args.speech_after else "")
+        (f"_after-{args.speech_after:g}" if args.speech_after else "") + speaking.tag()
     out = args.out or RESULTS / f"latency_{doc['preset']}_{gpu.lower()}{arm}_{doc['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
