@@ -1,7 +1,8 @@
 """Live sessions on the tiny engine: speech turns, listening between them, barge-in, and the
 Prometheus metrics served over HTTP on loopback; just in time, speech fed live reaches its
-frames without queueing, a silent microphone never starves playback, and LiveTalk's frames
-reach the pacer latent by latent as the whole chunk's would."""
+frames without queueing, a silent microphone never starves playback, LiveTalk's frames
+reach the pacer latent by latent as the whole chunk's would, and after a burst of speech the
+takes come back to just in time."""
 
 import threading
 import time
@@ -253,3 +254,46 @@ def test_the_deadlines_read_the_steady_steps_once_one_is_measured(livetalk):
     assert s.deadline() - filling == pytest.approx(0.9 - 0.3, abs=0.01)
     s.processing.append((steady + 1, 0.4))
     assert s.deadline() - filling == pytest.approx(0.9 - 0.4, abs=0.01)
+
+
+class AheadAtTake(SpeechBuffer):
+    """A session's speech buffer that records, at each take, the frames the session had
+    taken ahead of the pacer's playback and whether any speech was waiting."""
+
+    def __init__(self):
+        super().__init__()
+        self.session = None
+        self.ahead: list[tuple[int, bool]] = []
+
+    def take(self, n: int):
+        s = self.session
+        _, started = s.pacer.schedule()
+        with self.lock:
+            waiting = self.pushed > self.taken
+        self.ahead.append((s.frames_committed - started, waiting))
+        return super().take(n)
+
+
+def test_after_a_burst_of_speech_the_takes_come_back_to_just_in_time(livetalk):
+    """Speech that arrives all at once (a TTS's turn) is taken as fast as the pacer's slack
+    lets its frames queue; once it has played, the silent steps after it are taken just in
+    time again, with less than a step's frames ahead of playback, not the slack's: the wait
+    for the pacer's room is not counted as processing time (were it, every step after a
+    burst would keep the burst's lead, and the next turn would play seconds late)."""
+    spec = livetalk.spec
+    chunk = spec.frames_per_latent
+    s = LiveSession(livetalk, lambda f, a, t, v: None)
+    s.speech = takes = AheadAtTake()
+    takes.session = s
+    s.say(torch.randn(spec.side.sample_rate * 6) * 0.1)  # 6 s of speech, all at once
+    s.start(torch.rand(3, spec.out_h, spec.out_w))
+    try:
+        assert wait_until(lambda: len(takes.ahead) >= 20, 120)
+    finally:
+        s.stop()
+    assert s.error is None
+    burst = [a for a, waiting in takes.ahead if waiting]
+    assert max(burst) >= chunk  # the burst ran ahead of playback, as it must
+    last = max(i for i, (_, waiting) in enumerate(takes.ahead) if waiting)
+    after = [a for a, _ in takes.ahead[last + 4:]]  # its frames played out
+    assert len(after) >= 3 and max(after) < chunk, takes.ahead

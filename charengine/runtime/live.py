@@ -7,8 +7,9 @@ Speech is 16 kHz mono. Step i takes the next step's worth of samples from the sp
 padded with silence for what has not arrived. Just in time (the default), the take waits
 until that speech has arrived (or the turn ended), or until its deadline, whichever comes
 first: the step's play slot (when the frames queued and in flight before it will have
-played) less the session's processing time (take to first frames at the pacer, the most of
-the last `PROCESSING_WINDOW` steps after the first; once a step of the steady shape has been
+played) less the session's processing time (take to first frames at the pacer, less any
+time the frames waited for the pacer's room, the most of the last `PROCESSING_WINDOW` steps
+after the first; once a step of the steady shape has been
 measured, of those alone: `Family.steady_from`, as a LiveTalk session's cache-filling chunks
 take longer) and a margin. So a silent or stalled
 microphone never starves playback, and speech waits in no queue: from a step's last speech
@@ -265,6 +266,12 @@ class LiveSession:
         self.estimate = processing_estimate if processing_estimate is not None \
             else worker.processing_s
         self.sinking = (-1, 0)  # (step, its frames sunk so far)
+        # (start, end) on the pacer's clock of the last pushes to the pacer: a push waits
+        # while the pacer holds its slack (frames taken ahead of speech that came in a
+        # burst), and a step's frames reach the sink that much later, which is not its
+        # processing time
+        self.push_waits: collections.deque[tuple[float, float]] = \
+            collections.deque(maxlen=PROCESSING_WINDOW)
         # why each of the last steps was taken when it was, just in time: "speech" (it had
         # all arrived, or a turn's end) or "deadline" (it had not: a silent microphone, or
         # speech arriving late)
@@ -425,7 +432,8 @@ class LiveSession:
         self.sinking = (i, f1)
         if f0 == 0:
             with self.count_lock:
-                took = self.pacer.clock() - taken.taken_t
+                now = self.pacer.clock()
+                took = now - taken.taken_t - self._waited(taken.taken_t, now)
                 if i == 0:
                     self.first_processing = took
                 else:
@@ -445,9 +453,16 @@ class LiveSession:
         with self.count_lock:
             self.frames_pushed += frames.shape[0]
         self._queued()
+        t0 = self.pacer.clock()
         self.pacer.push(LiveStep(frames, taken.chunk[s0:s1], taken.voiced,
                                  taken.ended and f1 == total, f1 == total, arrivals))
+        with self.count_lock:
+            self.push_waits.append((t0, self.pacer.clock()))
         self._queued()
+
+    def _waited(self, a: float, b: float) -> float:
+        """Seconds of [a, b] the sink spent in pushes to the pacer (its backpressure)."""
+        return sum(max(0.0, min(e, b) - max(s, a)) for s, e in self.push_waits)
 
     def _run(self) -> None:
         try:
