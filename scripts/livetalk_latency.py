@@ -38,9 +38,11 @@ use the worker's measure of a steady step's processing time (`Worker.time_proces
 ready on a GPU; a CPU worker does not warm up, so here the script measures it the same way
 after a short render: `processing_estimate_s`); --no-estimate leaves them the first step's.
 --turn-s S feeds the speech in turns of S seconds with --pause-s seconds of nothing between
-them, and --burst X has each turn arrive at X times real time, as a TTS sends a turn (the
-figure to read then is `speech_latency`: a turn's first speech to the frame that plays it;
-a chunk's `latency` counts from its speech's arrival, early in a burst).
+them, and --burst X has each turn arrive at X times real time, as a TTS sends a turn. Then
+`turn_start` is the figure to read: from a turn's first speech arriving to the first voiced
+frame after it (the character starting to speak). In a burst, `latency` and `speech_latency`
+count from arrivals that came ahead of their playback, and so include the wait behind the
+turn's earlier speech, which cannot play faster than real time.
 --speech-after S feeds S seconds of silent frames before the speech (a session that starts
 listening); by default speech flows from the session's first moment. `first_chunk` is the
 session's start (reference image and prompt) and chunk 0's stages, which set the first
@@ -147,6 +149,7 @@ class Feeder:
         self.frame_s = frame_s
         self.ends: list[int] = []  # sample index just past each frame
         self.times: list[float] = []  # each frame's arrival
+        self.turn_starts: list[float] = []  # with turns: each turn's first frame's arrival
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="speech-feeder", daemon=True)
 
@@ -169,6 +172,8 @@ class Feeder:
                 loop = self.speech[self.silent:]
                 part = torch.cat([part, loop[: self.frame - part.numel()]])
             self.times.append(self.clock())
+            if self.starts_turn(k):
+                self.turn_starts.append(self.times[-1])
             self.session.say(part)
             pushed += part.numel()
             self.ends.append(pushed)
@@ -184,6 +189,13 @@ class Feeder:
         per_turn = max(1, round(sp.turn_s / self.frame_s))
         turn, j = divmod(k - lead, per_turn)
         return lead * self.frame_s + turn * (sp.turn_s + sp.pause_s) + j * self.frame_s / sp.rate
+
+    def starts_turn(self, k: int) -> bool:
+        """Whether frame k is a turn's first (speaking in turns)."""
+        lead = round(self.silent / self.frame) if self.frame else 0
+        sp = self.speaking
+        return bool(sp.turn_s) and k >= lead and \
+            (k - lead) % max(1, round(sp.turn_s / self.frame_s)) == 0
 
     def arrival(self, sample: int) -> float:
         """When the frame holding speech sample `sample` arrived."""
@@ -210,16 +222,24 @@ class TakeLog(SpeechBuffer):
 
 
 class KeptMetrics(Metrics):
-    """Metrics that also keep every speech latency of the session (its live window keeps
-    one minute)."""
+    """Metrics that also keep every speech latency of its sessions (their live windows keep
+    one minute): a session reports to metrics of its own (Metrics.session), whose figure is
+    kept here as it is reported."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.all_latencies: list[float] = []
 
-    def speech_latency(self, seconds: float) -> None:
-        self.all_latencies.append(seconds)
-        super().speech_latency(seconds)
+    def session(self, session_id: str = ""):
+        child = super().session(session_id)
+        report = child.speech_latency
+
+        def speech_latency(seconds: float) -> None:
+            self.all_latencies.append(seconds)
+            report(seconds)
+
+        child.speech_latency = speech_latency
+        return child
 
 
 def stats_ms(values: list[float]) -> dict:
@@ -251,9 +271,12 @@ def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
     steps = warmup + chunks
     starts = step_frame_starts(worker, steps)
     published: list[float] = []
+    voiced_at: list[float] = []
 
     def sink(frame, audio, t, voiced):
         published.append(t)
+        if voiced:
+            voiced_at.append(t)
 
     metrics = KeptMetrics(target_fps=spec.fps)  # as charrun makes it
     session = LiveSession(worker, sink, slack=slack, metrics=metrics, seed=seed,
@@ -310,6 +333,13 @@ def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
     chunk_s = spec.frames_per_latent / spec.fps
     ahead = float(np.median([(r["first_frame_t"] - r["take_t"]) / chunk_s for r in rows]))
     whole = sum(r["speech_samples"] == r["take_samples"] for r in rows)
+    # with turns: each measured turn's first speech to the first voiced frame after it
+    measured_from = published[starts[warmup]] if warmup < len(starts) else published[0]
+    turn_start = []
+    for a in feeder.turn_starts:
+        j = bisect.bisect_left(voiced_at, a)
+        if a >= measured_from and j < len(voiced_at):
+            turn_start.append(voiced_at[j] - a)
     padded = sum(r["take_samples"] - r["speech_samples"] for r in rows)
     return {"chunks": len(rows), "chunks_with_speech": len(latencies),
             "chunks_taken_whole": whole, "padded_ms": 1e3 * padded / spec.side.sample_rate,
@@ -318,6 +348,7 @@ def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
             "latency_ms": stats_ms(latencies), "parts_ms": parts,
             "first_frames_s": published[0] - t0, "first_chunk": first_chunk,
             "speech_latency_ms": stats_ms(metrics.all_latencies),
+            "turn_start_ms": stats_ms(turn_start), "turns": len(turn_start),
             "stalls": len(session.pacer.playout.stalls),
             "stall_s": sum(s for _, s in session.pacer.playout.stalls),
             "rows": rows}
@@ -447,6 +478,7 @@ def run(engine_dir: Path, chunks: int, warmup: int | None = None, slack: int = 2
         "chunks_taken_whole": live["chunks_taken_whole"], "padded_ms": live["padded_ms"],
         "dropped_ms": live["dropped_ms"],
         "speech_latency_ms": live["speech_latency_ms"],
+        "turn_start_ms": live["turn_start_ms"], "turns": live["turns"],
         "stalls": live["stalls"], "stall_s": live["stall_s"],
         "startup": worker.startup,
         "unpaced_stage_ms": stages, "decode_ms": decode,

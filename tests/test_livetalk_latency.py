@@ -5,6 +5,7 @@ document's figures."""
 
 import importlib.util
 import math
+import sys
 
 import pytest
 
@@ -15,6 +16,7 @@ def _script():
     spec = importlib.util.spec_from_file_location("livetalk_latency",
                                                   ROOT / "scripts" / "livetalk_latency.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -68,3 +70,29 @@ def test_latency_per_chunk_is_measured_for_each_chunk(engine_dir):
     assert doc["padded_ms"] == pytest.approx(
         sum(r["take_samples"] - r["speech_samples"] for r in rows) / 16)
     assert doc["dropped_ms"] == pytest.approx(sum(r["dropped_samples"] for r in rows) / 16)
+    # the session's own speech-to-lips figure, as /metrics reports it
+    sl = doc["speech_latency_ms"]
+    assert sl["p50"] is not None and 0 < sl["min"] <= sl["p50"] <= sl["max"], sl
+
+
+def test_speech_in_turns_arrives_in_bursts_and_its_speech_to_lips_is_measured(engine_dir):
+    """--turn-s 1 --pause-s 0.5 --burst 4: a turn's 50 frames of 20 ms arrive 5 ms apart,
+    the next turn 1.5 s after the last began, nothing between; the paced session's
+    speech-to-lips figure is kept."""
+    import torch
+
+    lat = _script()
+    speaking = lat.Speaking(1.0, 0.5, 4.0)
+    feeder = lat.Feeder(None, torch.zeros(16000), 16000, speaking=speaking)
+    due = [feeder.due(k) for k in range(101)]
+    assert due[1] == pytest.approx(0.005) and due[49] == pytest.approx(49 * 0.005)
+    assert due[50] == pytest.approx(1.5) and due[100] == pytest.approx(3.0)
+    assert [k for k in range(101) if feeder.starts_turn(k)] == [0, 50, 100]
+    assert lat.Feeder(None, torch.zeros(16000), 16000).due(50) == pytest.approx(1.0)
+    assert speaking.tag() == "_turns-1-0.5_burst-4"
+    doc = lat.run(engine_dir, chunks=6, warmup=1, unpaced=0, decode_reps=0, speaking=speaking)
+    assert doc["speaking"] == {"turn_s": 1.0, "pause_s": 0.5, "rate": 4.0}
+    sl = doc["speech_latency_ms"]
+    assert sl["p50"] is not None and 0 < sl["p50"] <= sl["max"], sl
+    # each measured turn: its first speech to the first voiced frame after it
+    assert doc["turns"] >= 2 and doc["turn_start_ms"]["p50"] > 0, doc["turn_start_ms"]
