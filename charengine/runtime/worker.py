@@ -184,6 +184,7 @@ class Worker:
         self.startup = {"load_s": t1 - t0, "warm_up_s": time.perf_counter() - t1,
                         "warm_up_steps": steps, "processing_s": self.processing_s,
                         "sessions": len(self.lanes),
+                        "batch": self.together.most if self.together else 1,
                         "capacity": self.capacity.to_dict() if self.capacity else None,
                         "parts": parts | side_parts}
 
