@@ -188,7 +188,7 @@ def load_checkpoint() -> dict:
 def save_checkpoint(root: Path, name: str, state: dict) -> None:
     from safetensors.torch import save_file
 
-    (root / "ckpt").mkdir(exist_ok=True)
+    (root / "ckpt" / name).parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(root / "ckpt" / name))
 
 
@@ -210,6 +210,31 @@ def make_shape_ckpt(root: Path, ctx: dict) -> None:
 def make_noside_ckpt(root: Path, ctx: dict) -> None:
     state = {k: v for k, v in load_checkpoint().items() if not k.startswith(SIDE_PREFIXES)}
     save_checkpoint(root, "noside.safetensors", state)
+
+
+def make_missing_shard(root: Path, ctx: dict) -> None:
+    """The tiny checkpoint as two shards and their index, the second shard gone."""
+    import json
+
+    state = load_checkpoint()
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_checkpoint(root, f"shards/{file}", {k: state[k] for k in part})
+    (root / "ckpt" / "shards" / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: f for f, part in halves.items() for k in part}}))
+    (root / "ckpt" / "shards" / "model-00002-of-00002.safetensors").unlink()
+
+
+def make_foreign_lora(root: Path, ctx: dict) -> None:
+    """The tiny checkpoint, and a LoRA for a module it does not have."""
+    import torch
+
+    save_checkpoint(root, "base.safetensors", load_checkpoint())
+    save_checkpoint(root, "foreign-lora.safetensors", {
+        "blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 64),
+        "blocks.0.attn.to_q.lora_B.weight": torch.zeros(64, 4)})
 
 
 def make_text_ckpt(root: Path, ctx: dict) -> None:
