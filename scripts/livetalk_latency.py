@@ -39,10 +39,11 @@ ready on a GPU; a CPU worker does not warm up, so here the script measures it th
 after a short render: `processing_estimate_s`); --no-estimate leaves them the first step's.
 --turn-s S feeds the speech in turns of S seconds with --pause-s seconds of nothing between
 them, and --burst X has each turn arrive at X times real time, as a TTS sends a turn. Then
-`turn_start` is the figure to read: from a turn's first speech arriving to the first voiced
-frame after it (the character starting to speak). In a burst, `latency` and `speech_latency`
-count from arrivals that came ahead of their playback, and so include the wait behind the
-turn's earlier speech, which cannot play faster than real time.
+`turn_start` is the figure to read: from a turn's first speech arriving to the frame that
+plays it (the session's own speech-latency figure for that speech, which found the buffer
+empty). `speech_latency` also counts speech arriving later in a turn, which in a burst came
+ahead of its playback and waits behind the turn's earlier speech (it cannot play faster
+than real time); `latency` counts from a chunk's last speech, early in a burst.
 --speech-after S feeds S seconds of silent frames before the speech (a session that starts
 listening); by default speech flows from the session's first moment. `first_chunk` is the
 session's start (reference image and prompt) and chunk 0's stages, which set the first
@@ -99,6 +100,7 @@ DECODE_REPS = 5  # timed decodes of one latent and of a whole chunk (after one u
 # waiting for the decoder, the decode, to the sink's call, and in the pacer
 PARTS = ("to_take", "audio_encode", "wait_diffusion", "diffusion", "wait_decode", "decode",
          "to_sink", "pacer")
+TURN_MATCH_S = 0.005  # a turn's first frame and the session's mark of its arrival: one moment
 SESSION_MARGIN_S = 60.0  # beyond the session's own length, before giving up on its frames
 
 
@@ -229,14 +231,17 @@ class KeptMetrics(Metrics):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.all_latencies: list[float] = []
+        self.arrivals: list[tuple[float, float]] = []  # (arrival, latency) of each
 
     def session(self, session_id: str = ""):
         child = super().session(session_id)
         report = child.speech_latency
 
-        def speech_latency(seconds: float) -> None:
+        def speech_latency(seconds: float, arrived: float | None = None) -> None:
             self.all_latencies.append(seconds)
-            report(seconds)
+            if arrived is not None:
+                self.arrivals.append((arrived, seconds))
+            report(seconds, arrived)
 
         child.speech_latency = speech_latency
         return child
@@ -271,12 +276,9 @@ def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
     steps = warmup + chunks
     starts = step_frame_starts(worker, steps)
     published: list[float] = []
-    voiced_at: list[float] = []
 
     def sink(frame, audio, t, voiced):
         published.append(t)
-        if voiced:
-            voiced_at.append(t)
 
     metrics = KeptMetrics(target_fps=spec.fps)  # as charrun makes it
     session = LiveSession(worker, sink, slack=slack, metrics=metrics, seed=seed,
@@ -333,13 +335,18 @@ def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
     chunk_s = spec.frames_per_latent / spec.fps
     ahead = float(np.median([(r["first_frame_t"] - r["take_t"]) / chunk_s for r in rows]))
     whole = sum(r["speech_samples"] == r["take_samples"] for r in rows)
-    # with turns: each measured turn's first speech to the first voiced frame after it
+    # with turns: each measured turn's first speech to the frame that plays it (the
+    # session's own figure for the speech that arrived first in the turn: its buffer was
+    # empty then)
     measured_from = published[starts[warmup]] if warmup < len(starts) else published[0]
     turn_start = []
     for a in feeder.turn_starts:
-        j = bisect.bisect_left(voiced_at, a)
-        if a >= measured_from and j < len(voiced_at):
-            turn_start.append(voiced_at[j] - a)
+        if a < measured_from:
+            continue
+        first = [lat for arrived, lat in metrics.arrivals
+                 if a - TURN_MATCH_S <= arrived <= a + TURN_MATCH_S]
+        if first:
+            turn_start.append(first[0])
     padded = sum(r["take_samples"] - r["speech_samples"] for r in rows)
     return {"chunks": len(rows), "chunks_with_speech": len(latencies),
             "chunks_taken_whole": whole, "padded_ms": 1e3 * padded / spec.side.sample_rate,

@@ -509,7 +509,7 @@ class LiveSession:
             per_frame = max(1, step.audio.numel()) / n
             for offset, arrived in step.arrivals:
                 played = begin + min(n - 1, int(offset / per_frame)) / self.spec.fps
-                self.metrics.speech_latency(max(0.0, played - arrived))
+                self.metrics.speech_latency(max(0.0, played - arrived), arrived)
         if self.user_step_done is not None and step.last:
             self.user_step_done(step)
 

@@ -247,8 +247,8 @@ class Metrics:
     def stall(self, seconds: float) -> None:
         self.current.stall(seconds)
 
-    def speech_latency(self, seconds: float) -> None:
-        self.current.speech_latency(seconds)
+    def speech_latency(self, seconds: float, arrived: float | None = None) -> None:
+        self.current.speech_latency(seconds, arrived)
 
     def chunk_latency(self, seconds: float) -> None:
         self.current.chunk_latency(seconds)
@@ -358,8 +358,9 @@ class SessionMetrics:
             self._stalls += 1
             self._stall_s += seconds
 
-    def speech_latency(self, seconds: float) -> None:
-        """Speech that reached the worker `seconds` ago has just played."""
+    def speech_latency(self, seconds: float, arrived: float | None = None) -> None:
+        """Speech that reached the worker `seconds` ago (at `arrived` on the session's
+        clock, for a caller that keeps it) has just played."""
         self.latency.observe(seconds)
         self.latencies.add(self.clock(), seconds)
         self._last_latency = seconds
