@@ -95,4 +95,4 @@ def test_speech_in_turns_arrives_in_bursts_and_its_speech_to_lips_is_measured(en
     sl = doc["speech_latency_ms"]
     assert sl["p50"] is not None and 0 < sl["p50"] <= sl["max"], sl
     # each measured turn: its first speech to the first voiced frame after it
-    assert doc["turns"] >= 2 and doc["turn_start_ms"]["p50"] > 0, doc["turn_start_ms"]
+    assert doc["turns"] >= 2 and doc["turn_start_ms"]["p50"] is not None, doc["turn_start_ms"]

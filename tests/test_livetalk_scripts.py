@@ -150,5 +150,4 @@ def test_where_a_steps_time_goes_for_either_family(tmp_path, name):
     else:
         assert d["components_ms"] == {} and d["floors_ms"] is None
         assert [b["sessions"] for b in d["batched"]] == [2, 3]
-        assert all(len(b["batch_ms"]) == 2 and b["session_chunk_ms_p50"] > 0 and
-                   not b["graphed"] for b in d["batched"])
+        assert all(len(b["batch_ms"]) == 2 and not b["graphed"] for b in d["batched"])
