@@ -174,7 +174,6 @@ class Together:
         self.model, self.rule, self.step = session.model, session.rule, session.batch_step
         self.device, self.most = session.device, most
         self.staging = [session.new_cache() for _ in range(most)]
-        self.kind: dict | None = None  # the batches' static arguments (one steady kind)
         self.noise: list[torch.Tensor] = []
         self.audio: list[torch.Tensor] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -192,7 +191,6 @@ class Together:
         kind = session.batch_kind()
         if kind is None:
             raise RuntimeError("the session is not at a step that joins a batch")
-        self.kind = kind
         staged = self.stage([session] * self.most)
         self.noise = [torch.zeros(shapes.noise_shape, device=self.device)
                       for _ in range(self.most)]
@@ -227,6 +225,14 @@ class Together:
         return [o.clone() for o in self.outputs[n]]
 
     @torch.inference_mode()
+    def rehearse(self, session: Session, noises, audios) -> list[torch.Tensor]:
+        """A batch of len(noises) steps as charrun runs one, every place staged from
+        `session`'s cache at a step that joins a batch; nothing is copied back (what a
+        benchmark or a capacity measure times, copies included)."""
+        staged = len(noises)
+        self.stage([session] * staged)
+        return self.run([session.batch_kind()] * staged, noises, audios)
+
     def __call__(self, sessions: list[Session], noises, audios) -> list[torch.Tensor]:
         """One step of each session (at least two, at most `most`, every one's batch_kind
         not None), their clean latents in order."""

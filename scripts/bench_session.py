@@ -258,7 +258,7 @@ def batched_steps(session: Session, shapes, inputs, sizes: list[int], graphed: b
     together = Together(session, max(sizes))
     if graphed:
         together.capture(session, shapes)
-    kind, out = session.batch_kind(), []
+    out = []
     for n in sizes:
         total, copies = [], []
         for _ in range(runs):
@@ -267,8 +267,7 @@ def batched_steps(session: Session, shapes, inputs, sizes: list[int], graphed: b
                 together.stage([session] * n)
             copies.append(sp.ms)
             with Span(device) as sp:
-                together.stage([session] * n)
-                together.run([kind] * n, [x[0] for x in xs], [x[1] for x in xs])
+                together.rehearse(session, [x[0] for x in xs], [x[1] for x in xs])
             total.append(sp.ms)
         out.append({"sessions": n, "batch_ms_p50": median(total),
                     "session_chunk_ms_p50": median(total) / n,

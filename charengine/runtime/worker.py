@@ -278,15 +278,14 @@ class Worker:
                         sum(d.span.seconds(wait=True) for d in decoded))
         batch_s = None
         if self.together is not None:  # a batch of the most it takes, each place this step
-            most, kind = self.together.most, self.session.batch_kind()
+            most = self.together.most
             feats = lane.encode_window(window, 1).to(self.device)
             batches = []
             for _ in range(steps):
                 noise = [torch.randn(shapes.noise_shape, generator=g).to(self.device)
                          for _ in range(most)]
                 span = DeviceSpan(self.device)
-                self.together.stage([self.session] * most)  # its copies are its cost too
-                self.together.run([kind] * most, noise, [feats] * most)
+                self.together.rehearse(self.session, noise, [feats] * most)  # copies too
                 batches.append(span.end().seconds(wait=True))
             batch_s = median(batches)
         self.side.decoder.reset()
