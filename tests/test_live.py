@@ -197,6 +197,25 @@ def test_only_leading_silence_is_dropped_from_the_speech_buffer():
     assert b.drop_silence(150) == 150 and b.queued() == 50  # at most what was asked
 
 
+def test_speech_whose_leading_silence_is_dropped_keeps_its_arrival_mark():
+    """A turn's first speech, pushed while nothing waits, is marked with its arrival; when
+    the silence it starts with is dropped to catch up, its first loud sample is marked with
+    the arrival of the push that brought it (here the second), so its latency is still
+    reported."""
+    now = [10.0]
+    b = SpeechBuffer(clock=lambda: now[0])
+    b.push(torch.zeros(300))
+    now[0] = 10.02
+    b.push(torch.cat([torch.zeros(50), torch.full((100,), 0.5)]))
+    assert b.marks == [(0, 10.0)]
+    assert b.drop_silence(1000) == 350
+    assert b.marks == [(350, 10.02)]
+    heard, voiced, _, marks = b.take(50)
+    assert voiced and marks == [(0, 10.02)]
+    b.push(torch.full((10,), 0.5))  # speech behind speech still waiting: no mark
+    assert b.drop_silence(1000) == 0 and b.marks == []
+
+
 def test_a_steady_estimate_moves_the_second_steps_deadline_later(livetalk):
     """Before a session has measured a step after its first, the next take's deadline is its
     slot less the worker's steady estimate where there is one, else less the first step's

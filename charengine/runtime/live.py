@@ -80,6 +80,7 @@ class SpeechBuffer:
         self.arrived = threading.Condition(self.lock)  # notified on every push, end and clear
         self.clock = clock
         self.chunks: list[torch.Tensor | None] = []
+        self.chunk_times: list[float] = []  # when each of `chunks` was pushed
         self.pushed = 0  # samples pushed so far
         self.taken = 0  # samples taken (or cleared, or dropped) so far
         self.dropped = 0  # leading silence dropped so far (drop_silence)
@@ -88,20 +89,24 @@ class SpeechBuffer:
     def push(self, samples: torch.Tensor) -> None:
         samples = samples.float().flatten()
         with self.lock:
+            now = self.clock()
             if self.pushed == self.taken and samples.numel():
-                self.marks.append((self.pushed, self.clock()))
+                self.marks.append((self.pushed, now))
             self.chunks.append(samples)
+            self.chunk_times.append(now)
             self.pushed += samples.numel()
             self.arrived.notify_all()
 
     def end_segment(self) -> None:
         with self.lock:
             self.chunks.append(None)
+            self.chunk_times.append(self.clock())
             self.arrived.notify_all()
 
     def clear(self) -> None:
         with self.lock:
             self.chunks.clear()
+            self.chunk_times.clear()
             self.marks.clear()
             self.taken = self.pushed
             self.arrived.notify_all()
@@ -113,7 +118,9 @@ class SpeechBuffer:
 
     def drop_silence(self, most: int, level: float = SILENCE_LEVEL) -> int:
         """Drop up to `most` samples of silence (none louder than `level`) from the front,
-        up to the first louder sample or a turn's end; returns how many."""
+        up to the first louder sample or a turn's end; returns how many. Speech that
+        arrived while nothing waited keeps its mark: if silence marked so is dropped, the
+        first sample left is marked with its own arrival."""
         with self.lock:
             dropped = 0
             while self.chunks and self.chunks[0] is not None and dropped < most:
@@ -127,9 +134,14 @@ class SpeechBuffer:
                         break
                 else:
                     self.chunks.pop(0)
+                    self.chunk_times.pop(0)
             self.taken += dropped
             self.dropped += dropped
-            self.marks = [(i, t) for i, t in self.marks if i >= self.taken]
+            kept = [(i, t) for i, t in self.marks if i >= self.taken]
+            if len(kept) < len(self.marks) and self.chunks and self.chunks[0] is not None \
+                    and not (kept and kept[0][0] == self.taken):
+                kept.insert(0, (self.taken, self.chunk_times[0]))
+            self.marks = kept
             return dropped
 
     def queued(self) -> int:
@@ -170,6 +182,7 @@ class SpeechBuffer:
                 c = self.chunks[0]
                 if c is None:
                     self.chunks.pop(0)
+                    self.chunk_times.pop(0)
                     ended = True
                     break
                 part = c[: n - have]
@@ -177,10 +190,12 @@ class SpeechBuffer:
                 have += part.numel()
                 if part.numel() == c.numel():
                     self.chunks.pop(0)
+                    self.chunk_times.pop(0)
                 else:
                     self.chunks[0] = c[part.numel():]
             if not ended and self.chunks and self.chunks[0] is None:
                 self.chunks.pop(0)
+                self.chunk_times.pop(0)
                 ended = True
             start, self.taken = self.taken, self.taken + have
             marks = [(i - start, t) for i, t in self.marks if i < self.taken]
