@@ -222,6 +222,10 @@ class Speech(Protocol):
     def lookahead_samples(self, spec) -> int:
         """Speech after a step's last frame that its audio window needs (live latency)."""
 
+    def steady_audio_step(self, spec) -> int:
+        """The first step whose audio encode is every later step's (its window whole): the
+        step a worker's processing and capacity measures encode."""
+
 
 class Side(Protocol):
     """Part 5, the side networks (audio and image encoders, decoder, text encoder): their
@@ -347,6 +351,9 @@ class FamilyModules:
 
     def steady_from(self, cfg) -> int:
         return 1  # a session's first step is measured apart
+
+    def steady_audio_step(self, spec) -> int:
+        return 1
 
     def fused_allreduce(self, cfg) -> FusedAllReduce | None:
         return None

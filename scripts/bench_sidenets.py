@@ -32,7 +32,9 @@ from charengine.config import preset
 from charengine.family import family_of
 from charengine.timing import cuda_ms, median
 
-AUDIO_STEP = 5  # the step whose window the audio encoder is timed on (a steady one)
+# the step whose window the audio encoder is timed on: a steady one, its window whole in
+# every preset (livetalk-1.3b's is from chunk 6 on)
+AUDIO_STEP = 20
 
 
 def side_override(spec, overrides: list[str]):
@@ -59,6 +61,29 @@ def arm_side(fam, cfg, state, device, arm: str):
             if prm.dim() == 5:  # the 3-D convs' weights
                 prm.data = prm.data.contiguous(memory_format=torch.channels_last_3d)
     return side
+
+
+def loaded_side(fam, cfg, state, device):
+    """The side networks as a worker loads them: on a GPU warmed up (graphs captured)."""
+    side = fam.load_side(cfg, state, device)
+    if device.type == "cuda":
+        fam.warm_up_side(side, cfg.model, device)
+    return side
+
+
+def encode_ms(fam, cfg, state, device, window, reps: int) -> float:
+    """The median time of one steady step's audio encode (AUDIO_STEP's window), with the
+    side networks as `cfg` loads them."""
+    side = loaded_side(fam, cfg, state, device)
+    return median(cuda_ms(lambda: fam.encode_audio(side, cfg.model, window, AUDIO_STEP),
+                          reps, warmup=2, device=device))
+
+
+def audio_diff(fam, cfg, other, state, device, window) -> float:
+    """The largest difference between a steady step's audio features under two configs."""
+    a, b = (fam.encode_audio(loaded_side(fam, c, state, device), c.model, window, AUDIO_STEP)
+            for c in (cfg, other))
+    return float((a.float() - b.float()).abs().max())
 
 
 def main():
@@ -118,16 +143,22 @@ def main():
             print(json.dumps({k: v for k, v in results[-1].items() if k != "runs_ms"}),
                   flush=True)
             del side
-        side = fam.load_side(cfg, state, device)
         window = torch.randn(fam.window_samples(spec), generator=g).to(device)
-        enc_ms = median(cuda_ms(lambda: fam.encode_audio(side, spec, window, AUDIO_STEP),
-                                args.reps * 4, warmup=2, device=device))
-    print(json.dumps({"audio_encoder_step_ms": enc_ms}))
+        enc_ms = encode_ms(fam, cfg, state, device, window, args.reps * 4)
+        # the same without the audio encoder's graph, where the family has one
+        eager_ms, eager_diff = None, None
+        if device.type == "cuda" and getattr(cfg.switches, "audio_graph", False):
+            plain = cfg.replace(switches=dataclasses.replace(cfg.switches, audio_graph=False))
+            eager_ms = encode_ms(fam, plain, state, device, window, args.reps * 4)
+            eager_diff = audio_diff(fam, cfg, plain, state, device, window)
+    audio = {"audio_encoder_step_ms": enc_ms, "audio_encoder_eager_step_ms": eager_ms,
+             "audio_graph_max_abs_diff": eager_diff}
+    print(json.dumps(audio))
     if args.out:
         summary = {"preset": spec.name, "side": args.side,
                    "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                    else "cpu", "date": time.strftime("%Y-%m-%d"), "decoder": results,
-                   "audio_encoder_step_ms": enc_ms}
+                   **audio}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=1) + "\n")
 

@@ -231,3 +231,70 @@ def test_pinned_chunk_features(encoder, speech):
     picks = torch.stack([got[0, :4], got[5, 60:64], got[11, -4:]]).flatten()
     torch.testing.assert_close(picks, torch.tensor(PINNED[0]), atol=1e-4, rtol=1e-4)
     assert abs(got.double().abs().sum().item() - PINNED[1]) < 1e-2
+
+
+# ---- the steady window's graph (audio_graph.py) ---------------------------------------------
+def test_the_first_full_chunk_is_the_first_without_padding():
+    from charengine.livetalk.audio_graph import first_full_chunk
+
+    for spec in (A.TINY, A.BASE_960H):
+        k = first_full_chunk(spec)
+        for j, whole in ((k - 1, False), (k, True), (k + 5, True)):
+            w = A.window_bounds(spec, j)
+            assert (w.b - w.a == A.window_samples(spec)) is whole, (spec.name, j)
+    assert first_full_chunk(A.BASE_960H) == 6  # 80 frames of window, 9 + 12 k + 4 past 80
+
+
+def test_every_chunk_from_the_first_full_one_is_one_computation_of_its_window(encoder, speech):
+    """What the graph replays for every steady chunk: chunk_features of chunk k's window is
+    steady_rows of that window, whatever k, bit for bit; the chunk before is not."""
+    from charengine.livetalk.audio_graph import SteadyAudio, first_full_chunk, steady_rows
+
+    k0 = first_full_chunk(A.TINY)
+    steady = SteadyAudio(A.TINY, encoder)  # not captured (a CPU): chunk_features eagerly
+    pos = A.window_positions(A.TINY, A.window_bounds(A.TINY, k0), None)
+    long = torch.cat([speech, speech])
+    for k in (k0, k0 + 1, k0 + 4):
+        window = A.chunk_window(A.TINY, long, k)
+        want = A.chunk_features(A.TINY, encoder, window, k)
+        assert torch.equal(steady_rows(A.TINY, encoder, window, pos), want)
+        assert torch.equal(steady(window, k), want)
+    window = A.chunk_window(A.TINY, long, k0 - 1)
+    assert not torch.equal(steady_rows(A.TINY, encoder, window, pos),
+                           A.chunk_features(A.TINY, encoder, window, k0 - 1))
+
+
+def test_side_networks_graph_the_audio_only_on_a_gpu():
+    from charengine.livetalk.sidenets import SideNets
+    from charengine.livetalk.spec import TINY
+
+    side = SideNets(TINY).eval().ready()
+    assert side.steady_audio is None  # a CPU: eager, whatever the switch says
+    window = torch.randn(A.window_samples(TINY.audio), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(side.audio_features(window, 7),
+                       A.chunk_features(TINY.audio, side.audio_encoder, window, 7))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-livetalk", "livetalk-1.3b"])
+def test_the_audio_graph_replays_what_the_encoder_computes_on_a_gpu(preset):
+    """The side networks as a worker loads them on a GPU (the graph captured at warm-up):
+    every chunk's features equal the eager encoder's, the steady ones replayed, for
+    windows that change from call to call."""
+    from charengine.livetalk import FAMILY
+    from charengine.livetalk.spec import PRESETS
+
+    from charengine.livetalk.sidenets import load_side
+    from charengine.livetalk.warmup import warm_up_side
+
+    spec, dev = PRESETS[preset], torch.device("cuda")
+    side = load_side(spec, FAMILY.random_side_state(spec, 0), dev)
+    warm_up_side(side, spec, dev)
+    assert side.steady_audio is not None and side.steady_audio.graph is not None
+    speech = speechlike(A.window_samples(spec.audio) * 3).to(dev)
+    with torch.inference_mode():
+        for k in range(side.steady_audio.first + 3):
+            window = A.chunk_window(spec.audio, speech, k)
+            got = side.audio_features(window, k)
+            want = A.chunk_features(spec.audio, side.audio_encoder, window, k)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -163,15 +163,18 @@ class LiveTalk(FamilyModules):
         return chunk_window(spec.audio, speech, k)
 
     def encode_audio(self, side, spec, window, k: int):
-        from .audio import chunk_features
-
-        return chunk_features(spec.audio, side.audio_encoder, window, k)
+        return side.audio_features(window, k)
 
     def decode_pieces(self, side, latent, decoder=None):
         return (decoder or side.decoder).per_latent(latent)
 
     def steady_from(self, cfg) -> int:
         return self._module("cache").first_steady_chunk(cfg)
+
+    def steady_audio_step(self, spec) -> int:
+        from .audio_graph import first_full_chunk
+
+        return first_full_chunk(spec.audio)
 
     def lookahead_samples(self, spec) -> int:
         a = spec.audio

@@ -448,7 +448,7 @@ def chunk_features(spec: AudioSpec, encoder: AudioEncoder, window: torch.Tensor,
     if clip is not None:
         n_valid = min(w.b, clip.samples) - w.a
         end_frame = min(end_frame, clip.frames)
-    pos = _positions(spec, w, clip)
+    pos = window_positions(spec, w, clip)
     feats = encoder.window_features(x, n_valid, pos, end_frame - w.first_frame)
     f0, f1 = chunk_frames(k)
     rows = feats[f0 - w.first_frame:f1 - w.first_frame]
@@ -457,7 +457,7 @@ def chunk_features(spec: AudioSpec, encoder: AudioEncoder, window: torch.Tensor,
     return rows
 
 
-def _positions(spec: AudioSpec, w: WindowBounds, clip: Clip | None) -> torch.Tensor:
+def window_positions(spec: AudioSpec, w: WindowBounds, clip: Clip | None) -> torch.Tensor:
     """CNN-frame coordinates (window-relative, float32) of the window's encoder positions.
     Live: the CNN frame centred on the video frame's time; with a clip: align_corners over it,
     in the float32 arithmetic torch's interpolation uses."""

@@ -16,6 +16,7 @@ import torch
 
 from ..checkpoint import CheckpointError, check_tensors
 from .audio import AudioEncoder
+from .audio_graph import SteadyAudio
 from .spec import LiveTalkSpec, LiveTalkSwitches
 from .vae import StreamingDecoder, WanVAE, encode_image, load_vae
 from .vae_blocks import use_frames_layout, use_fused_norms, use_row_kernels
@@ -39,11 +40,13 @@ class SideNets(torch.nn.Module):
             if spec.text_encoder == "tiny-umt5" else None
         self.umt5 = self.prompt_encoder.model if self.prompt_encoder is not None else None
         self.decoder: StreamingDecoder | None = None  # made on the networks' device (ready())
+        # the audio encoder's steady chunks as a graph (ready(); captured by warm_up_side)
+        self.steady_audio: SteadyAudio | None = None
 
     def ready(self, switches: LiveTalkSwitches | None = None) -> SideNets:
         """After a move to the serving device: the streaming decoder over the moved VAE, its
         implementation on a GPU chosen once by the decoder's switches (`switches`' DECODER
-        fields; None: the preset's)."""
+        fields; None: the preset's), and the audio encoder's by its (AUDIO)."""
         sw = switches if switches is not None else LiveTalkSwitches()
         if self.vae.conv2.weight.device.type == "cuda":
             if sw.vae_frames_layout:
@@ -52,8 +55,20 @@ class SideNets(torch.nn.Module):
                     use_row_kernels(self.vae.decoder)
             if sw.vae_fused_norm:
                 use_fused_norms(self.vae)
+        on_gpu = next(self.audio_encoder.parameters()).device.type == "cuda"
+        self.steady_audio = SteadyAudio(self.spec.audio, self.audio_encoder) \
+            if on_gpu and sw.audio_graph else None
         self.decoder = StreamingDecoder(self.vae)
         return self
+
+    def audio_features(self, window: torch.Tensor, k: int) -> torch.Tensor:
+        """Chunk k's audio feature rows from its encoder window (audio.chunk_features; the
+        steady chunks a graph's replay where one is captured)."""
+        if self.steady_audio is not None:
+            return self.steady_audio(window, k)
+        from .audio import chunk_features
+
+        return chunk_features(self.spec.audio, self.audio_encoder, window, k)
 
     def image_encoder(self, image: torch.Tensor) -> torch.Tensor:
         """The reference image [3, H, W] in [0, 1] -> its normalized latent [C, h, w]."""

@@ -294,6 +294,10 @@ class LiveTalkSwitches:
     # each RMS norm and the SiLU after it as one kernel (vae_blocks.use_fused_norms,
     # plugins/channel_norm.py); off, the unfused ops
     vae_fused_norm: bool = True
+    # the audio encoder's chunks from the first whose window is whole (audio_graph.py) as one
+    # CUDA graph where it runs on a GPU, captured at the side networks' warm-up; off, eager
+    # launches (on a CPU the eager path runs whatever this says)
+    audio_graph: bool = True
 
     # the DiT's switches in the waterfall's order; the decoder's (DECODER) are timed apart
     # (scripts/livetalk_decoder.py)
@@ -304,6 +308,7 @@ class LiveTalkSwitches:
              "fused_calibration", "fused_delta_rotation", "split_attention",
              "pipelined_attention", "fp8_cross_attention", "patch_gemm")
     DECODER = ("vae_frames_layout", "vae_row_kernels", "vae_fused_norm")
+    AUDIO = ("audio_graph",)  # the audio encoder's (scripts/bench_sidenets.py times it)
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":

@@ -18,6 +18,8 @@ def warm_up_side(side, spec, device: torch.device) -> None:
         window = torch.zeros(audio.window_samples(spec.audio), device=device)
         for k in (0, 1):
             audio.chunk_features(spec.audio, side.audio_encoder, window, k)
+        if side.steady_audio is not None:  # the steady chunks' graph
+            side.steady_audio.capture()
         z = torch.zeros(spec.latent_channels, spec.chunk_frames, spec.latent_h, spec.latent_w,
                         device=device)
         # the shapes a session decodes, live or rendered: StreamingDecoder.per_latent's

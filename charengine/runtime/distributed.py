@@ -501,15 +501,16 @@ class DistributedWorker:
         this process's device, medians over `steps` steps of the first lane at its steady
         point, against the step's budget less REALTIME_MARGIN."""
         lane = self.lanes[0]
+        k_audio = self.family.steady_audio_step(self.spec)
         window = self.family.audio_window(
-            self.spec, torch.zeros(self.family.window_samples(self.spec)), 1)
+            self.spec, torch.zeros(self.family.window_samples(self.spec)), k_audio)
         lane.start(torch.zeros(3, self.spec.out_h, self.spec.out_w), "")
         diffusion, side = [], []
         with self.turns.turn():
             try:
                 self._open(0, CMD_START, 0, seed)
                 for k in range(self.family.steady_from(self.cfg) + steps):
-                    feats = lane.encode_window(window, 1, timed=True)
+                    feats = lane.encode_window(window, k_audio, timed=True)
                     out = self._step(0, feats.value)
                     pieces = lane.pieces(out.value) or (out.value,)
                     decoded = [lane.decode(p, timed=True) for p in pieces]

@@ -229,8 +229,9 @@ class Worker:
         A live session's deadlines use it until its own steps have been measured."""
         g = torch.Generator().manual_seed(seed)
         shapes = self.family.step_shapes(self.spec)
+        k_audio = self.family.steady_audio_step(self.spec)
         window = self.family.audio_window(
-            self.spec, torch.zeros(self.family.window_samples(self.spec)), 1)
+            self.spec, torch.zeros(self.family.window_samples(self.spec)), k_audio)
         noise = torch.randn(shapes.noise_shape, generator=g)
 
         lane = self.lanes[0]
@@ -242,7 +243,7 @@ class Worker:
         self.side.decoder.reset()
         first_piece(torch.randn(shapes.latent, generator=g))  # a session's first decodes more
         t0 = time.perf_counter()
-        feats = lane.encode_window(window, 1)
+        feats = lane.encode_window(window, k_audio)
         first_piece(self.session.step(noise.to(self.device), feats.to(self.device)))
         took = time.perf_counter() - t0
         self.side.decoder.reset()
@@ -258,15 +259,16 @@ class Worker:
         lane = self.lanes[0]
         g = torch.Generator().manual_seed(seed)
         shapes = self.family.step_shapes(self.spec)
+        k_audio = self.family.steady_audio_step(self.spec)
         window = self.family.audio_window(
-            self.spec, torch.zeros(self.family.window_samples(self.spec)), 1)
+            self.spec, torch.zeros(self.family.window_samples(self.spec)), k_audio)
         lane.start(torch.zeros(3, self.spec.out_h, self.spec.out_w), "")
         for _ in range(self.family.steady_from(self.cfg)):  # the steps before the steady one
             self.session.step(torch.randn(shapes.noise_shape, generator=g).to(self.device),
-                              lane.encode_window(window, 1).to(self.device))
+                              lane.encode_window(window, k_audio).to(self.device))
         diffusion, side = [], []
         for _ in range(steps):
-            feats = lane.encode_window(window, 1, timed=True)
+            feats = lane.encode_window(window, k_audio, timed=True)
             noise = torch.randn(shapes.noise_shape, generator=g).to(self.device)
             span = DeviceSpan(self.device)
             latent = self.session.step(noise, feats.value.to(self.device))
@@ -279,7 +281,7 @@ class Worker:
         batch_s = None
         if self.together is not None:  # a batch of the most it takes, each place this step
             most = self.together.most
-            feats = lane.encode_window(window, 1).to(self.device)
+            feats = lane.encode_window(window, k_audio).to(self.device)
             batches = []
             for _ in range(steps):
                 noise = [torch.randn(shapes.noise_shape, generator=g).to(self.device)
