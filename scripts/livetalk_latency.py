@@ -41,7 +41,8 @@ after a short render: `processing_estimate_s`); --no-estimate leaves them the fi
 them, and --burst X has each turn arrive at X times real time, as a TTS sends a turn. Then
 `turn_start` is the figure to read: from a turn's first speech arriving to the frame that
 plays it (the session's own speech-latency figure for that speech, which found the buffer
-empty). `speech_latency` also counts speech arriving later in a turn, which in a burst came
+empty; where a turn begins in a pause, its first loud sample, as the session drops the
+silence before it). `speech_latency` also counts speech arriving later in a turn, which in a burst came
 ahead of its playback and waits behind the turn's earlier speech (it cannot play faster
 than real time); `latency` counts from a chunk's last speech, early in a burst.
 --speech-after S feeds S seconds of silent frames before the speech (a session that starts
@@ -73,6 +74,7 @@ import argparse
 import bisect
 import dataclasses
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -100,9 +102,6 @@ DECODE_REPS = 5  # timed decodes of one latent and of a whole chunk (after one u
 # waiting for the decoder, the decode, to the sink's call, and in the pacer
 PARTS = ("to_take", "audio_encode", "wait_diffusion", "diffusion", "wait_decode", "decode",
          "to_sink", "pacer")
-# a turn's first frame pushed, and the session's mark of its arrival: the push may wait for
-# the buffer's lock while a take holds it
-TURN_MATCH_S = 0.05
 SESSION_MARGIN_S = 60.0  # beyond the session's own length, before giving up on its frames
 
 
@@ -338,15 +337,14 @@ def measure_live(worker: Worker, speech: torch.Tensor, chunks: int, warmup: int,
     ahead = float(np.median([(r["first_frame_t"] - r["take_t"]) / chunk_s for r in rows]))
     whole = sum(r["speech_samples"] == r["take_samples"] for r in rows)
     # with turns: each measured turn's first speech to the frame that plays it (the
-    # session's own figure for the speech that arrived first in the turn: its buffer was
-    # empty then)
+    # session's own figure for the speech that arrived first in the turn, its buffer empty
+    # then: the turn's first loud sample where the silence it began with was dropped)
     measured_from = published[starts[warmup]] if warmup < len(starts) else published[0]
     turn_start = []
-    for a in feeder.turn_starts:
+    for a, b in zip(feeder.turn_starts, [*feeder.turn_starts[1:], math.inf]):
         if a < measured_from:
             continue
-        first = sorted((arrived, lat) for arrived, lat in metrics.arrivals
-                       if a <= arrived <= a + TURN_MATCH_S)
+        first = sorted((arrived, lat) for arrived, lat in metrics.arrivals if a <= arrived < b)
         if first:
             turn_start.append(first[0][1])
     padded = sum(r["take_samples"] - r["speech_samples"] for r in rows)
