@@ -85,6 +85,7 @@ class SpeechBuffer:
         self.taken = 0  # samples taken (or cleared, or dropped) so far
         self.dropped = 0  # leading silence dropped so far (drop_silence)
         self.marks: list[tuple[int, float]] = []  # (sample index, arrival time)
+        self.voiced = False  # whether the last take found speech (take)
 
     def push(self, samples: torch.Tensor) -> None:
         samples = samples.float().flatten()
@@ -174,7 +175,13 @@ class SpeechBuffer:
     def take(self, n: int) -> tuple[torch.Tensor, bool, bool, list[tuple[int, float]]]:
         """n samples of speech, padded with silence; voiced if any speech was in them; ended
         if a turn's end was reached in them (the rest of the turn, if any, waits); and the
-        arrival marks within them as (offset in the n samples, arrival time)."""
+        arrival marks within them as (offset in the n samples, arrival time).
+
+        The silence goes after the speech, except where a take after one that found no
+        speech finds only the start of the next (a turn's first words, arriving in real
+        time, at a take's deadline) and no turn's end: then it goes before, so that the
+        speech still to come follows on without a gap (padding after it would play its
+        first syllable, most of a chunk of silence, then the rest)."""
         ended = False
         with self.lock:
             got, have = [], 0
@@ -202,6 +209,10 @@ class SpeechBuffer:
             self.marks = [(i, t) for i, t in self.marks if i >= self.taken]
         voiced = have > 0
         out = torch.cat(got) if got else torch.zeros(0)
+        after_silence, self.voiced = not self.voiced, voiced
+        if after_silence and 0 < have < n and not ended:  # a turn's first words
+            marks = [(i + n - have, t) for i, t in marks]
+            return torch.nn.functional.pad(out, (n - have, 0)), voiced, ended, marks
         return torch.nn.functional.pad(out, (0, n - out.numel())), voiced, ended, marks
 
 
