@@ -3,7 +3,9 @@ the decoder per step as a live session runs it (`session_decoder`: its causal st
 from step to step; the first step, decoded from a cold state, reported apart from the steady
 ones), for arms of dtype and layout, with each arm's FLOP count (torch's FlopCounterMode over
 one steady step) and its largest frame difference from the first arm; and the audio encoder
-over one step's window (`encode_audio`).
+over one steady step's window (`encode_audio`) as the engine loads it, then with each of the
+family's audio switches off in turn (on a GPU), each with its features' error against the
+plain encoder.
 
 Arms (--arms, comma-separated): `preset` (the side networks as the engine loads them: the
 family's dtypes and its decoder switches), `float32`, `bfloat16`, each with `-cl` for the
@@ -71,19 +73,33 @@ def loaded_side(fam, cfg, state, device):
     return side
 
 
-def encode_ms(fam, cfg, state, device, window, reps: int) -> float:
-    """The median time of one steady step's audio encode (AUDIO_STEP's window), with the
-    side networks as `cfg` loads them."""
-    side = loaded_side(fam, cfg, state, device)
-    return median(cuda_ms(lambda: fam.encode_audio(side, cfg.model, window, AUDIO_STEP),
-                          reps, warmup=2, device=device))
+def audio_arms(cfg, device) -> list[tuple[str, object]]:
+    """The audio encoder's arms: the preset, then its family's audio switches (AUDIO) turned
+    off one more at a time from the last, down to the plain encoder (on a GPU; on a CPU they
+    change nothing, so the preset alone)."""
+    names = getattr(type(cfg.switches), "AUDIO", ()) if device.type == "cuda" else ()
+    arms = [("preset", cfg)]
+    for i in range(len(names)):
+        off = names[len(names) - 1 - i:]
+        arms.append(("without " + ",".join(off), cfg.replace(switches=dataclasses.replace(
+            cfg.switches, **{n: False for n in off}))))
+    return arms
 
 
-def audio_diff(fam, cfg, other, state, device, window) -> float:
-    """The largest difference between a steady step's audio features under two configs."""
-    a, b = (fam.encode_audio(loaded_side(fam, c, state, device), c.model, window, AUDIO_STEP)
-            for c in (cfg, other))
-    return float((a.float() - b.float()).abs().max())
+def audio_results(fam, cfg, state, device, window, reps: int) -> list[dict]:
+    """Each audio arm's steady step time and its features' error against the last arm (the
+    plain encoder): relative L2 and largest difference."""
+    out, feats = [], []
+    for name, c in audio_arms(cfg, device):
+        side = loaded_side(fam, c, state, device)
+        ms = median(cuda_ms(lambda: fam.encode_audio(side, c.model, window, AUDIO_STEP), reps,
+                            warmup=2, device=device))
+        feats.append(fam.encode_audio(side, c.model, window, AUDIO_STEP).float())
+        out.append({"arm": name, "step_ms": ms})
+    for r, f in zip(out, feats):
+        r["rel_l2_vs_plain"] = float((f - feats[-1]).norm() / feats[-1].norm())
+        r["max_abs_diff_vs_plain"] = float((f - feats[-1]).abs().max())
+    return out
 
 
 def main():
@@ -144,15 +160,8 @@ def main():
                   flush=True)
             del side
         window = torch.randn(fam.window_samples(spec), generator=g).to(device)
-        enc_ms = encode_ms(fam, cfg, state, device, window, args.reps * 4)
-        # the same without the audio encoder's graph, where the family has one
-        eager_ms, eager_diff = None, None
-        if device.type == "cuda" and getattr(cfg.switches, "audio_graph", False):
-            plain = cfg.replace(switches=dataclasses.replace(cfg.switches, audio_graph=False))
-            eager_ms = encode_ms(fam, plain, state, device, window, args.reps * 4)
-            eager_diff = audio_diff(fam, cfg, plain, state, device, window)
-    audio = {"audio_encoder_step_ms": enc_ms, "audio_encoder_eager_step_ms": eager_ms,
-             "audio_graph_max_abs_diff": eager_diff}
+        audio = {"audio_encoder": audio_results(fam, cfg, state, device, window,
+                                                args.reps * 4)}
     print(json.dumps(audio))
     if args.out:
         summary = {"preset": spec.name, "side": args.side,

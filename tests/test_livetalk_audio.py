@@ -298,3 +298,115 @@ def test_the_audio_graph_replays_what_the_encoder_computes_on_a_gpu(preset):
             got = side.audio_features(window, k)
             want = A.chunk_features(spec.audio, side.audio_encoder, window, k)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- the encoder in bf16 (LiveTalkSwitches.audio_bf16) ----------------------------------------
+# Bound on the features' relative L2 error against fp32: bf16 rounds each op's result to
+# within u = 2^-9 relative; the encoder's 12 layers (base-960h) and its CNN round some 240
+# results on the way to a feature, and independent roundings add in quadrature:
+# sqrt(240) * u = 3.0e-2.
+BF16_FEATURES_REL = math.sqrt(240) * 2 ** -9
+
+
+def bf16_copy(encoder):
+    import copy
+
+    return copy.deepcopy(encoder).to(torch.bfloat16)
+
+
+def rel_l2(a, ref):
+    return float((a.float() - ref.float()).norm() / ref.float().norm())
+
+
+def test_the_audio_encoder_runs_in_bf16_on_a_gpu_by_its_switch_and_nowhere_else():
+    from charengine.livetalk.sidenets import load_side, random_side_state, side_dtypes
+    from charengine.livetalk.spec import TINY, LiveTalkSwitches
+
+    off = dataclasses.replace(LiveTalkSwitches(), audio_bf16=False)
+    assert side_dtypes(TINY, "cuda")["audio_encoder."] == torch.bfloat16
+    assert "audio_encoder." not in side_dtypes(TINY, "cuda", off)
+    assert side_dtypes(TINY, "cuda", off)["vae."] == side_dtypes(TINY, "cuda")["vae."]
+    assert side_dtypes(TINY, "cpu") == {}
+    side = load_side(TINY, random_side_state(TINY, 0), "cpu")
+    assert {p.dtype for p in side.audio_encoder.parameters()} == {torch.float32}
+
+
+def test_the_bf16_encoder_at_the_released_shapes_stays_near_fp32():
+    """wav2vec2-base-960h's shapes (random weights), a steady chunk of speech: the bf16
+    features within BF16_FEATURES_REL of fp32 (measured 1.3e-2), and more than one rounding
+    away (bf16 really ran)."""
+    from charengine.livetalk.audio_graph import first_full_chunk
+
+    spec = A.BASE_960H
+    enc = A.AudioEncoder(spec, seed=0).eval()
+    k = first_full_chunk(spec)
+    window = A.chunk_window(spec, speechlike(A.window_samples(spec) * 2, seed=3), k)
+    with torch.inference_mode():
+        ref = A.chunk_features(spec, enc, window, k)
+        got = A.chunk_features(spec, bf16_copy(enc), window, k)
+    assert got.dtype == torch.bfloat16
+    assert 2 ** -9 < rel_l2(got, ref) < BF16_FEATURES_REL
+
+
+def test_the_bf16_encoder_moves_the_chunks_less_than_the_dits_own_numerics():
+    """The tiny LiveTalk DiT with its production numerics (bf16, FP8), stepped over 12 chunks
+    of speech encoded in fp32 and in bf16: the latents' difference stays below what those
+    numerics carry against fp32 (measured 1.5e-2 against 1.9e-2), chunk by chunk. The tiny
+    encoder takes 16 channels a group in its positional conv here: torch's CPU bf16 grouped
+    conv1d with kernel 128 and 2 to 6 channels a group (the tiny spec's 2) is wrong by the
+    whole signal (base-960h's 48 a group is right)."""
+    from test_livetalk_model import FAST_FP32, FP32, session
+
+    from charengine.config import Numerics
+    from charengine.family import family
+    from charengine.livetalk.spec import TINY, LiveTalkSwitches
+
+    spec = dataclasses.replace(A.TINY, pos_conv_groups=2)
+    enc = A.AudioEncoder(spec, seed=0).eval()
+    enc16 = bf16_copy(enc)
+    speech = speechlike(A.window_samples(spec) * 8, seed=3)
+    shapes = family("livetalk").step_shapes(TINY)
+    g = torch.Generator().manual_seed(2)
+    steps = []
+    with torch.inference_mode():
+        for k in range(12):
+            window = A.chunk_window(spec, speech, k)
+            f32, f16 = (A.chunk_features(spec, e, window, k) for e in (enc, enc16))
+            assert rel_l2(f16, f32) < BF16_FEATURES_REL
+            steps.append((torch.randn(shapes.noise_shape, generator=g), f32, f16))
+
+    def rollout(switches, numerics, which):
+        s = session(switches, numerics)
+        with torch.inference_mode():
+            return [s.step(n, f[which].reshape(shapes.features)) for n, *f in steps]
+
+    production = Numerics(dtype="bfloat16")
+    ref = rollout(LiveTalkSwitches(), production, 0)
+    bf16_audio = rollout(LiveTalkSwitches(), production, 1)
+    fp32 = rollout(FAST_FP32, FP32, 0)
+    for a, b, c in zip(ref, bf16_audio, fp32):
+        assert 0 < rel_l2(b, a) < rel_l2(a, c)
+
+
+@pytest.mark.gpu
+def test_the_bf16_audio_graph_stays_near_the_fp32_encoder_on_a_gpu():
+    """livetalk-1.3b's side networks as a worker loads them (bf16, the graph captured) against
+    the fp32 encoder eagerly: every chunk's features within BF16_FEATURES_REL."""
+    from charengine.livetalk import FAMILY
+    from charengine.livetalk.sidenets import load_side
+    from charengine.livetalk.spec import LIVETALK_1_3B as spec, LiveTalkSwitches
+    from charengine.livetalk.warmup import warm_up_side
+
+    dev = torch.device("cuda")
+    state = FAMILY.random_side_state(spec, 0)
+    side = load_side(spec, state, dev)
+    warm_up_side(side, spec, dev)
+    plain = load_side(spec, state, dev, LiveTalkSwitches.baseline())
+    assert next(side.audio_encoder.parameters()).dtype == torch.bfloat16
+    assert next(plain.audio_encoder.parameters()).dtype == torch.float32
+    speech = speechlike(A.window_samples(spec.audio) * 3).to(dev)
+    with torch.inference_mode():
+        for k in range(side.steady_audio.first + 3):
+            window = A.chunk_window(spec.audio, speech, k)
+            assert rel_l2(side.audio_features(window, k),
+                          plain.audio_features(window, k)) < BF16_FEATURES_REL, k

@@ -104,12 +104,16 @@ def random_side_state(spec: LiveTalkSpec, seed: int) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in nets.state_dict().items()}
 
 
-def side_dtypes(spec: LiveTalkSpec, device) -> dict[str, torch.dtype]:
-    """Name prefix -> the dtype its tensors run in on `device`: the VAE in its GPU dtype on a
-    GPU; every other tensor as stored."""
-    if torch.device(device).type == "cuda":
-        return {"vae.": getattr(torch, spec.vae.gpu_dtype)}
-    return {}
+def side_dtypes(spec: LiveTalkSpec, device,
+                switches: LiveTalkSwitches | None = None) -> dict[str, torch.dtype]:
+    """Name prefix -> the dtype its floating tensors run in on `device`: on a GPU the VAE in
+    its GPU dtype and the audio encoder in bf16 with `switches.audio_bf16` (None: the
+    preset's); every other tensor as stored."""
+    if torch.device(device).type != "cuda":
+        return {}
+    sw = switches if switches is not None else LiveTalkSwitches()
+    return {"vae.": getattr(torch, spec.vae.gpu_dtype),
+            **({"audio_encoder.": torch.bfloat16} if sw.audio_bf16 else {})}
 
 
 def load_side(spec: LiveTalkSpec, state: dict, device="cpu",
@@ -126,11 +130,11 @@ def load_side(spec: LiveTalkSpec, state: dict, device="cpu",
     if missing or unexpected:
         name = (missing or unexpected)[0]
         raise ValueError(f"side networks: {'missing' if missing else 'unexpected'} tensor {name!r}")
-    device, dtypes = torch.device(device), side_dtypes(spec, device)
+    device, dtypes = torch.device(device), side_dtypes(spec, device, switches)
 
     def placed(name: str, t: torch.Tensor) -> torch.Tensor:
         dtype = next((d for p, d in dtypes.items() if name.startswith(p)), t.dtype)
-        return t.to(device, dtype)
+        return t.to(device, dtype if t.is_floating_point() else t.dtype)
 
     nets.load_state_dict({k: placed(k, v) for k, v in state.items()}, assign=True)
     left = next((k for k, t in [*nets.named_parameters(), *nets.named_buffers()]

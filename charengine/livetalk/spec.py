@@ -298,6 +298,12 @@ class LiveTalkSwitches:
     # CUDA graph where it runs on a GPU, captured at the side networks' warm-up; off, eager
     # launches (on a CPU the eager path runs whatever this says)
     audio_graph: bool = True
+    # the audio encoder's weights and activations in bf16 where it runs on a GPU (its feature
+    # normalization, its first GroupNorm's statistics and the rows' interpolation in fp32 as
+    # on every path), chosen once when the side networks load (sidenets.side_dtypes); off,
+    # fp32 as the checkpoint stores it. Its features reach the DiT in the model's dtype
+    # either way; the error it adds is bounded in tests/test_livetalk_audio.py
+    audio_bf16: bool = True
 
     # the DiT's switches in the waterfall's order; the decoder's (DECODER) are timed apart
     # (scripts/livetalk_decoder.py)
@@ -308,7 +314,7 @@ class LiveTalkSwitches:
              "fused_calibration", "fused_delta_rotation", "split_attention",
              "pipelined_attention", "fp8_cross_attention", "patch_gemm")
     DECODER = ("vae_frames_layout", "vae_row_kernels", "vae_fused_norm")
-    AUDIO = ("audio_graph",)  # the audio encoder's (scripts/bench_sidenets.py times it)
+    AUDIO = ("audio_graph", "audio_bf16")  # the audio encoder's (scripts/bench_sidenets.py)
 
     @classmethod
     def baseline(cls) -> "LiveTalkSwitches":

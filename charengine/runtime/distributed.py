@@ -481,7 +481,7 @@ class DistributedWorker:
         """One step of the live session on `lane`: its features out, its latent and the
         ranks' busy time back."""
         self._send(CMD_STEP, lane)
-        dist.broadcast(feats.cpu().contiguous(), 0)
+        dist.broadcast(feats.cpu().float().contiguous(), 0)  # fp32, as ranks receive it
         latent = torch.empty(self.family.step_shapes(self.spec).latent)
         dist.recv(latent, 1)
         busy = torch.empty(1, dtype=torch.float64)  # the step's busy time on the TP ranks
@@ -578,7 +578,7 @@ class RemoteLane(Lane):
                             self.family.audio_window(spec, speech, i), i, timed=True)
                         times.audio.append((t0, time.monotonic()))
                         times.add_busy("audio", feats.span)
-                        dist.broadcast(feats.value.cpu().contiguous(), 0)
+                        dist.broadcast(feats.value.cpu().float().contiguous(), 0)
                     if i >= 1:
                         latent = torch.empty(lat)
                         dist.recv(latent, 1)
