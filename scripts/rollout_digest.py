@@ -14,7 +14,9 @@ families: a refactor that must not change behaviour leaves every digest as it wa
 
 Each arm's rollout (random weights, seed 0; inputs seed 1, LiveTalk's chunks seed 2) is
 hashed as its exact bytes (sha256 of the fp32 latents, or the rendered frames). --against
-compares with an earlier run and exits 1 on any difference, naming the arms that changed."""
+compares with an earlier run and exits 1 on any difference, naming the arms that changed.
+The digests are the CPU's (its kernels round differently on AVX2, AVX-512 and AMX): compare
+runs made on one machine."""
 
 from __future__ import annotations
 
