@@ -83,7 +83,7 @@ def main(argv=None) -> None:
             sys.exit(subprocess.call(["ip", "netns", "exec", name, sys.executable,
                                       str(Path(__file__).resolve()), *rest]))
     port, health = free_port(), free_port()
-    server = serve(args.engine, 1, port, health)
+    server = serve(args.engine, n=1, batch=1, port=port, health_port=health)
     url = f"http://127.0.0.1:{port}/"
     doc = {"engine": os.path.abspath(args.engine), "date": time.strftime("%Y-%m-%d")}
     try:
