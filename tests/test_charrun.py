@@ -78,19 +78,25 @@ def test_a_file_that_is_not_audio_is_refused(engine_dir, tmp_path):
     assert "not an audio file" in r.stderr
 
 
-def stop_a_long_render(engine_dir, tmp_path, sig):
-    """A two-minute render stopped by `sig` a second after its first frames: (exit, stderr)."""
-    write_wav(tmp_path / "long.wav", 120.0, 16000, 1)
+def stop_a_long_render(engine_dir, tmp_path, sig, after_s=1.0, again_after_s=None,
+                       out="o.mp4"):
+    """A two-minute render stopped by `sig` `after_s` after its first frames (and again
+    `again_after_s` later): (exit, stderr)."""
+    if not (tmp_path / "long.wav").exists():
+        write_wav(tmp_path / "long.wav", 120.0, 16000, 1)
     p = subprocess.Popen(CHARRUN + ["--engine", str(engine_dir), "--image", str(FACE),
                                     "--audio", str(tmp_path / "long.wav"), "--out",
-                                    str(tmp_path / "o.mp4")],
+                                    str(tmp_path / out)],
                          stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     for line in p.stderr:
         if "first frames written" in line or time.time() > deadline:
             break
-    time.sleep(1.0)
+    time.sleep(after_s)
     p.send_signal(sig)
+    if again_after_s is not None:
+        time.sleep(again_after_s)
+        p.send_signal(sig)
     _, err = p.communicate(timeout=60)
     return p.returncode, err
 
@@ -102,6 +108,20 @@ def test_ctrl_c_leaves_a_playable_mp4_of_what_was_generated(engine_dir, tmp_path
     assert 4 <= frames < 4 * 720 and frames % 4 == 0 and rate == 24
     assert abs(audio_s - frames / 24) <= 1 / 24
     assert f"holds {frames} frames" in err
+
+
+def test_a_second_ctrl_c_while_the_render_stops_keeps_its_mp4(engine_dir, tmp_path):
+    """Ctrl-C twice, 30 to 110 ms apart: the second lands while the first's stop is on its way out
+    (the pipeline's stages joining, the MP4 closing). Each time charrun exits 130 with the
+    file it names, whole; before, about half the tries aborted at exit ("terminate called
+    without an active exception", a stage still inside a torch op) or lost the file."""
+    for k, again_after_s in enumerate((0.03, 0.05, 0.07, 0.09, 0.11) * 2):
+        out = f"o{k}.mp4"
+        code, err = stop_a_long_render(engine_dir, tmp_path, signal.SIGINT, after_s=0.0,
+                                       again_after_s=again_after_s, out=out)
+        assert code == 130 and "terminate called" not in err, err
+        frames, _, audio_s, _ = probe(tmp_path / out)
+        assert frames >= 4 and f"holds {frames} frames" in err, err
 
 
 def test_pipeline_overlaps_decoding_with_the_next_diffusion_and_applies_backpressure(engine_dir):

@@ -122,17 +122,30 @@ class Stop:
     def __init__(self, on_signal=None):
         self.signum: int | None = None
         self.generating = False
+        # a render's stop is on its way out (its KeyboardInterrupt raised): a later signal
+        # changes nothing, so that the pipeline's stages stop and the MP4 closes unhindered
+        # (one landing in their midst lost the file, or aborted the process at exit)
+        self.stopping = False
         self.on_signal = on_signal
         for sig in STOP_SIGNALS:
             signal.signal(sig, self)
 
     def __call__(self, signum, _frame):
+        if self.stopping:
+            return
         if self.on_signal is not None and self.signum is None:
             self.on_signal(signal.Signals(signum))
         if self.signum is not None or not self.generating:
             self.signum = self.signum or signum
+            if self.generating:
+                self.interrupt()
             raise KeyboardInterrupt
         self.signum = signum
+
+    def interrupt(self) -> None:
+        """Stop the render now (between steps, or on a second signal at once)."""
+        self.stopping = True
+        raise KeyboardInterrupt
 
     def done(self) -> None:
         for sig in STOP_SIGNALS:
@@ -421,7 +434,7 @@ class StepProgress:
         fps = done * self.spec.frames_per_latent / (time.perf_counter() - self.t0)
         self.bar.update(self.task, completed=done, fps=fps)
         if self.stop.signum is not None:
-            raise KeyboardInterrupt
+            self.stop.interrupt()
 
 
 def open_render(cfg: RunConfig, image_fit: ImageFit, stop: Stop):

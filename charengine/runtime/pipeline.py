@@ -31,6 +31,9 @@ from charengine.timing import DeviceSpan
 
 
 PARTS = ("audio", "diffusion", "decode")  # the stages whose busy time is reported
+# how long a stopped pipeline waits for its stage threads, through a KeyboardInterrupt: each
+# stops at its next queue operation, within the step it runs (a hung one is left after this)
+STAGES_JOIN_S = 10.0
 
 
 @dataclass
@@ -256,8 +259,23 @@ class Pipeline:
             pass
         finally:
             self.stop.set()
-            for t in threads:
-                t.join()
+            if join_through_interrupts(threads, STAGES_JOIN_S):
+                raise KeyboardInterrupt  # after the stages stopped, not in their midst
         if self.errors:
             raise self.errors[0]
         return self.times
+
+
+def join_through_interrupts(threads: list[threading.Thread], timeout_s: float) -> bool:
+    """Join `threads` (each for what is left of `timeout_s`), going on through a
+    KeyboardInterrupt (a second Ctrl-C while they stop): a process that exits with a stage
+    still inside a torch op aborts ("terminate called without an active exception").
+    Returns whether an interrupt came."""
+    interrupted, end = False, time.monotonic() + timeout_s
+    for t in threads:
+        while t.is_alive() and time.monotonic() < end:
+            try:
+                t.join(max(0.0, end - time.monotonic()))
+            except KeyboardInterrupt:
+                interrupted = True
+    return interrupted
