@@ -124,6 +124,20 @@ def test_a_second_ctrl_c_while_the_render_stops_keeps_its_mp4(engine_dir, tmp_pa
         assert frames >= 4 and f"holds {frames} frames" in err, err
 
 
+def test_stage_threads_are_joined_through_a_ctrl_c():
+    """A SIGINT while a pipeline joins its stages does not cut the join short: the stage ends
+    first, and the join says an interrupt came (its caller raises it then)."""
+    from charengine.runtime.pipeline import join_through_interrupts
+
+    stage = threading.Thread(target=time.sleep, args=(0.6,))
+    stage.start()
+    threading.Timer(0.1, signal.pthread_kill,
+                    (threading.main_thread().ident, signal.SIGINT)).start()
+    assert join_through_interrupts([stage], interrupted=False) is True
+    assert not stage.is_alive()
+    assert join_through_interrupts([stage], interrupted=False) is False
+
+
 def test_pipeline_overlaps_decoding_with_the_next_diffusion_and_applies_backpressure(engine_dir):
     worker = Worker(Engine.load(engine_dir))
     spec = worker.spec

@@ -31,8 +31,9 @@ from charengine.timing import DeviceSpan
 
 
 PARTS = ("audio", "diffusion", "decode")  # the stages whose busy time is reported
-# how long a stopped pipeline waits for its stage threads, through a KeyboardInterrupt: each
-# stops at its next queue operation, within the step it runs (a hung one is left after this)
+# how long a pipeline stopped by a KeyboardInterrupt (Ctrl-C) still waits for its stage
+# threads: each stops at its next queue operation, within the step it runs; a hung one is
+# left after this (any other stop waits for them as long as they run)
 STAGES_JOIN_S = 10.0
 
 
@@ -241,6 +242,7 @@ class Pipeline:
                    for name, f in stages]
         for t in threads:
             t.start()
+        interrupted = False
         try:
             done, first = 0, True
             while steps is None or done < steps:
@@ -257,25 +259,30 @@ class Pipeline:
                     done, first = done + 1, True
         except Stopped:
             pass
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
             self.stop.set()
-            if join_through_interrupts(threads, STAGES_JOIN_S):
+            if join_through_interrupts(threads, interrupted):
                 raise KeyboardInterrupt  # after the stages stopped, not in their midst
         if self.errors:
             raise self.errors[0]
         return self.times
 
 
-def join_through_interrupts(threads: list[threading.Thread], timeout_s: float) -> bool:
-    """Join `threads` (each for what is left of `timeout_s`), going on through a
-    KeyboardInterrupt (a second Ctrl-C while they stop): a process that exits with a stage
-    still inside a torch op aborts ("terminate called without an active exception").
-    Returns whether an interrupt came."""
-    interrupted, end = False, time.monotonic() + timeout_s
+def join_through_interrupts(threads: list[threading.Thread], interrupted: bool) -> bool:
+    """Join `threads`, going on through a KeyboardInterrupt (a second Ctrl-C while they
+    stop): a process that exits with a stage still inside a torch op aborts ("terminate
+    called without an active exception"). They are waited for as long as they run, or, once
+    a KeyboardInterrupt came (`interrupted`: before the join), STAGES_JOIN_S from then.
+    Returns whether one came during the join."""
+    caught, end = False, time.monotonic() + STAGES_JOIN_S if interrupted else None
     for t in threads:
-        while t.is_alive() and time.monotonic() < end:
+        while t.is_alive() and (end is None or time.monotonic() < end):
             try:
-                t.join(max(0.0, end - time.monotonic()))
+                t.join(None if end is None else max(0.0, end - time.monotonic()))
             except KeyboardInterrupt:
-                interrupted = True
-    return interrupted
+                caught = True
+                end = end if end is not None else time.monotonic() + STAGES_JOIN_S
+    return caught
