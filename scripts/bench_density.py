@@ -19,6 +19,9 @@ WebRTC needs an address other than loopback to gather candidates on: `--netns` (
 iproute2) runs the server and the clients in a network namespace of their own. Every N's
 server is started with --over-capacity, so an N past what the start-up check allows is still
 measured.
+
+`--out` is written after every run, so a call cut short keeps the runs it finished; `--resume`
+keeps them and runs only the rest (one long run per call, where calls are time-limited).
 """
 
 from __future__ import annotations
@@ -267,6 +270,9 @@ def main(argv=None) -> None:
                     help="the schedulers, comma-separated: 1 (every step alone), n (batches "
                          "of up to each N), or a count (batches of up to it, at most N)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs --out already holds (same engine and minutes) and "
+                         "run only the others")
     ap.add_argument("--netns", action="store_true",
                     help="run inside a network namespace of its own (root, iproute2)")
     args = ap.parse_args(argv)
@@ -278,9 +284,12 @@ def main(argv=None) -> None:
             rest = [a for a in (argv or sys.argv[1:]) if a != "--netns"]
             sys.exit(subprocess.call(["ip", "netns", "exec", name, sys.executable,
                                       str(Path(__file__).resolve()), *rest]))
-    results = []
+    kept = kept_runs(args.out, args.engine, args.minutes) if args.resume else []
+    results = list(kept)
     for choice in args.batch.split(","):
         for n in (int(x) for x in args.sessions.split(",")):
+            if any(r["n"] == n and r["scheduler"] == choice for r in kept):
+                continue
             batch = n if choice == "n" else min(n, int(choice))
             port, health = free_port(), free_port()
             server = serve(args.engine, n, batch, port, health)
@@ -293,17 +302,39 @@ def main(argv=None) -> None:
             r["batch"], r["scheduler"] = batch, choice
             results.append(r)
             report(r)
-    held = [r["n"] for r in results if r["realtime"]]
-    by = {c: max((r["n"] for r in results if r["realtime"] and r["scheduler"] == c), default=0)
-          for c in args.batch.split(",")}
-    doc = {"engine": os.path.abspath(args.engine), "minutes": args.minutes,
-           "date": time.strftime("%Y-%m-%d"), "chunk_p90_limit_s": CHUNK_P90_LIMIT_S,
-           "sessions_realtime": max(held, default=0), "sessions_realtime_by_batch": by,
-           "runs": results}
-    print(json.dumps({"sessions_realtime": doc["sessions_realtime"], "by_batch": by}))
+            # written after every run: a run cut short keeps the ones before it
+            doc = summary(results, args.engine, args.minutes)
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    doc = summary(results, args.engine, args.minutes)
+    print(json.dumps({"sessions_realtime": doc["sessions_realtime"],
+                      "by_batch": doc["sessions_realtime_by_batch"]}))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def summary(results: list[dict], engine: str, minutes: float) -> dict:
+    """The results file: every run, and the largest real-time N overall and per scheduler."""
+    held = [r["n"] for r in results if r["realtime"]]
+    by = {c: max((r["n"] for r in results if r["realtime"] and r["scheduler"] == c), default=0)
+          for c in dict.fromkeys(r["scheduler"] for r in results)}
+    return {"engine": os.path.abspath(engine), "minutes": minutes,
+            "date": time.strftime("%Y-%m-%d"), "chunk_p90_limit_s": CHUNK_P90_LIMIT_S,
+            "sessions_realtime": max(held, default=0), "sessions_realtime_by_batch": by,
+            "runs": results}
+
+
+def kept_runs(out: Path | None, engine: str, minutes: float) -> list[dict]:
+    """The runs an earlier call wrote to `out` for the same engine and minutes (--resume)."""
+    if out is None or not out.exists():
+        return []
+    doc = json.loads(out.read_text())
+    if doc.get("engine") != os.path.abspath(engine) or doc.get("minutes") != minutes:
+        raise SystemExit(f"{out} holds runs of another engine or length: --resume keeps "
+                         "only runs of this --engine and --minutes")
+    return doc["runs"]
 
 
 def report(r: dict) -> None:
