@@ -241,11 +241,15 @@ async def load(url: str, n: int, seconds: float, probes: str, pid: int) -> dict:
             "device": device_counts(metrics), "realtime": realtime}
 
 
-def serve(engine: str, n: int, batch: int, port: int, health_port: int) -> subprocess.Popen:
+def serve(engine: str, n: int, batch: int, port: int, health_port: int,
+          log=subprocess.DEVNULL) -> subprocess.Popen:
+    """`charrun --serve --sessions n --batch batch` once ready (its output to `log`, an open
+    file)."""
     p = subprocess.Popen([sys.executable, "-m", "charengine.runtime.cli", "--engine", engine,
                           "--serve", "--port", str(port), "--health-port", str(health_port),
                           "--sessions", str(n), "--batch", str(batch), "--over-capacity"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         stdout=log, stderr=subprocess.STDOUT if log is not subprocess.DEVNULL
+                         else subprocess.DEVNULL)
     end = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < end:
         if p.poll() is not None:
