@@ -61,12 +61,15 @@ async def vanishing(url: str, seconds: float) -> dict:
         "--seconds", str(seconds), stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL)
     await asyncio.sleep(seconds / 2)
-    p.kill()
+    ended_first = p.returncode is not None
+    if not ended_first:
+        p.kill()
     out, _ = await p.communicate()
     said = [json.loads(ln) for ln in out.decode().splitlines() if ln.strip()]
     first = next((s["t"] for s in said if s["kind"] == "streaming"), None)
     refused = next((s for s in said if s["kind"] == "refused"), None)
-    return {"first_frame_s": first, "refused": refused}
+    return {"first_frame_s": first, "refused": refused,
+            "ended_before_killed": said[-1] if ended_first and said else ended_first}
 
 
 async def speaking(url: str, index: int, seconds: float, ending: str) -> dict:
@@ -103,6 +106,18 @@ def settle(status_url: str) -> float | None:
             return time.monotonic() - t0
         time.sleep(0.2)
     return None
+
+
+def excerpts(log: str, context: int = 3) -> list[str]:
+    """Each traceback in the server's log with the lines before it, up to the next logged
+    line (one that starts with a date)."""
+    lines, out = log.splitlines(), []
+    for i, ln in enumerate(lines):
+        if ln.startswith("Traceback"):
+            end = next((j for j in range(i + 1, len(lines)) if lines[j][:2] == "20"),
+                       len(lines))
+            out.append("\n".join(lines[max(0, i - context):end]))
+    return out
 
 
 def growth(waves: list[dict]) -> dict:
@@ -156,14 +171,15 @@ def main(argv=None) -> None:
         code = server.wait(60)
         log.seek(0)
         text = log.read()
-    tracebacks = text.count("Traceback")
-    if tracebacks:
-        print(text[-4000:], file=sys.stderr)
+    tracebacks = excerpts(text)
+    for t in tracebacks:
+        print(t, file=sys.stderr)
     doc = {"engine": os.path.abspath(args.engine), "sessions": args.sessions,
            "batch": args.batch, "seconds": args.seconds, "date": time.strftime("%Y-%m-%d"),
            "ready": ready, "waves": waves, "growth": growth(waves), "exit_code": code,
            "tracebacks": tracebacks}
-    print(json.dumps({"growth": doc["growth"], "exit_code": code, "tracebacks": tracebacks}))
+    print(json.dumps({"growth": doc["growth"], "exit_code": code,
+                      "tracebacks": len(tracebacks)}))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")

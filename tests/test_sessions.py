@@ -4,7 +4,8 @@ same rank processes): three sessions stream at once from one process and one cop
 engine (on LiveTalk's also with --batch 3: steps that wait together run as one batch); the
 fourth offer is answered 503 with Retry-After and /readyz reads busy; a
 session's id acts on that session only; stopping one, a barge-in on another and a client that
-vanishes leave the others streaming, and each frees its place."""
+vanishes leave the others streaming, and each frees its place; a session's objects are freed
+soon after it ends."""
 
 import json
 import subprocess
@@ -169,3 +170,20 @@ def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tm
         server.terminate()
         server.wait(30)
     assert "Traceback" not in "".join(lines), "".join(lines)
+
+
+def test_a_sessions_objects_are_freed_soon_after_it_ends(netns, tmp_path):
+    """A session's peer connection, live session and served record are held in reference
+    cycles (the WebRTC library's and the pipeline's): the server collects them after each
+    session, with its video encoder's threads and buffers, ended by /stop or by its client
+    closing. Before, they stayed until the collector's rare full pass (run
+    tests/session_release.py with --no-collect: none freed within 10 s), and sessions one
+    after another piled up encoders and their threads (docs/RELIABILITY.md)."""
+    engine = build_target(tmp_path, "cpu-tiny-livetalk")
+    r = subprocess.run([*netns, sys.executable, str(ROOT / "tests/session_release.py"),
+                        str(engine)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    freed = json.loads(r.stdout.splitlines()[-1])
+    assert set(freed) == {"stop", "client-closes"}, freed
+    for ending, objects in freed.items():
+        assert all(s is not None for s in objects.values()), (ending, objects)

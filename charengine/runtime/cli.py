@@ -361,6 +361,7 @@ def _serve_engine(cfg: RunConfig, image_fit: ImageFit, readiness, probes, drain,
             readiness.loading("loading the runtime (torch)")
             from .distributed import RankFailure, open_worker
             from .engine import Engine, EngineError
+            from .garbage import freeze_start_up
             from .metrics import Metrics
         readiness.loading("checking the engine")
         engine = Engine.load(cfg.engine_dir, verify_in_background=True)
@@ -372,6 +373,7 @@ def _serve_engine(cfg: RunConfig, image_fit: ImageFit, readiness, probes, drain,
         note = side_networks_note(engine)
         if note:
             click.echo(note, err=True)
+        freeze_start_up()  # a collection after each session scans what sessions made
     except KeyboardInterrupt:
         readiness.draining(f"stopped by {stop.name} while loading")
         click.echo(f"charrun: stopped by {stop.name} while the engine loaded; no session was "

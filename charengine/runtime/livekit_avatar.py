@@ -46,6 +46,7 @@ from livekit.agents.voice.avatar import (AudioSegmentEnd, AvatarOptions, AvatarR
                                          VideoGenerator)
 
 from .formats import ImageFit
+from .garbage import collect_after_session
 from .images import read_image
 from .lifecycle import STOP_SIGNALS, Drain, keep_ranks
 from .live import LiveSession
@@ -362,6 +363,7 @@ class AvatarJobs:
         finally:
             with self.guard:
                 self.jobs.pop(lane, None)
+            collect_after_session()  # its room's and pipeline's cycles freed now
 
     def end(self, reason: str) -> None:
         """End every job in progress (any thread)."""

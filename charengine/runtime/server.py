@@ -52,6 +52,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 
 from .access import JSON_TYPE, UPLOAD_RETRY_AFTER_S, Access, UploadGate
 from .formats import MAX_UPLOAD_SPEECH_S, ImageFit, MediaError
+from .garbage import collect_after_session
 from .images import load_image
 from .live import SILENCE_LEVEL, LiveSession
 from .media import read_audio
@@ -596,6 +597,7 @@ class Server:
         fps = await asyncio.get_running_loop().run_in_executor(None, served.session.stop)
         self._send(served, {"type": "ended", "fps": fps})
         await served.pc.close()
+        collect_after_session()  # its cycles, and its encoder's threads, freed now
         return fps
 
 
