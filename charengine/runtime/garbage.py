@@ -3,10 +3,11 @@
 A session's peer connection, its tracks and video encoder, and its pipeline are held in
 reference cycles (the WebRTC library's and the pipeline's own), so only a pass of the cyclic
 collector frees them, with the native threads and buffers of the encoder. Left to the
-collector's own schedule in a process that holds an engine (some 400,000 objects), that pass
-came rarely: sessions stayed allocated one after another, each with its encoder's threads,
-and the full pass that finally came held every thread for about a second, the live sessions'
-pacers included (docs/RELIABILITY.md, "Sessions one after another", scripts/soak.py).
+collector's own schedule in a process that holds an engine's hundreds of thousands of
+objects, that pass came rarely: sessions stayed allocated one after another, each with its
+encoder's threads, and the full pass that finally came held every thread while it scanned
+the whole process, the live sessions' pacers included (docs/RELIABILITY.md, "Sessions one
+after another").
 
     freeze_start_up()        once the worker is ready: what start-up made (the engine,
                              torch, the libraries) leaves the collector's generations, so a
