@@ -7,10 +7,11 @@ interrupted (a barge-in) halfway and runs on to its end. Sessions send speech in
 (tests/webrtc_client.py) so they can be killed.
 
 After each wave, once /status reads no session, it records the server's resident memory,
-open files and threads, and its child processes' (a TP engine's ranks), so a leak shows as a
-rise wave over wave; the first wave's figures are the baseline (it makes what is made once:
-pools, the lanes' graphs and buffers). The JSON gives every wave's figures and every
-session's first frame and end, and the growth from the first wave to the last.
+open files, threads and GPU memory, and its child processes' (a TP engine's ranks), so a
+leak shows as a rise wave over wave; the first wave's figures are the baseline (it makes
+what is made once: pools, the lanes' graphs and buffers). The JSON gives every wave's
+figures and every session's first frame and end, and the growth from the first wave to the
+last.
 
     python scripts/soak.py --engine /tmp/tl --sessions 3 --batch 3 --waves 12 --netns \\
         --out docs/results/soak/soak_tiny-livetalk_cpu.json
@@ -36,7 +37,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_density import Client, free_port, http, serve  # noqa: E402
+from bench_density import Client, free_port, gpu_memory_mb, http, serve  # noqa: E402
 
 ENDINGS = ("full", "stop", "vanish", "barge-in")
 SETTLE_S = 60.0  # the longest a wave's sessions may take to be gone after its clients end
@@ -44,14 +45,16 @@ QUIET_S = 1.0  # after /status reads no session, before the figures are read
 
 
 def figures(pid: int) -> dict:
-    """A process's and its children's resident memory (MB), open files and threads."""
+    """A process's and its children's resident memory (MB), open files and threads, and the
+    process's GPU memory (None without a GPU)."""
     def one(p: psutil.Process) -> dict:
         with p.oneshot():
             return {"rss_mb": round(p.memory_info().rss / 2**20, 1), "fds": p.num_fds(),
                     "threads": p.num_threads()}
 
     proc = psutil.Process(pid)
-    return {**one(proc), "children": [one(c) for c in proc.children(recursive=True)]}
+    return {**one(proc), "gpu_memory_mb": gpu_memory_mb(pid),
+            "children": [one(c) for c in proc.children(recursive=True)]}
 
 
 async def vanishing(url: str, seconds: float) -> dict:
@@ -162,6 +165,7 @@ def main(argv=None) -> None:
             s = waves[-1]["server"]
             print(json.dumps({"wave": w, "settled_s": waves[-1]["settled_s"],
                               "rss_mb": s["rss_mb"], "fds": s["fds"], "threads": s["threads"],
+                              "gpu_memory_mb": s["gpu_memory_mb"],
                               "children": s["children"],
                               "first_frames": [x["first_frame_s"] for x in sessions],
                               "refused": [x["refused"] for x in sessions if x["refused"]]}),
