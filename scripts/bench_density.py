@@ -248,8 +248,7 @@ def serve(engine: str, n: int, batch: int, port: int, health_port: int,
     p = subprocess.Popen([sys.executable, "-m", "charengine.runtime.cli", "--engine", engine,
                           "--serve", "--port", str(port), "--health-port", str(health_port),
                           "--sessions", str(n), "--batch", str(batch), "--over-capacity"],
-                         stdout=log, stderr=subprocess.STDOUT if log is not subprocess.DEVNULL
-                         else subprocess.DEVNULL)
+                         stdout=log, stderr=subprocess.STDOUT)
     end = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < end:
         if p.poll() is not None:
@@ -306,17 +305,13 @@ def main(argv=None) -> None:
             r["batch"], r["scheduler"] = batch, choice
             results.append(r)
             report(r)
-            # written after every run: a run cut short keeps the ones before it
-            doc = summary(results, args.engine, args.minutes)
-            if args.out:
+            if args.out:  # after every run: a call cut short keeps the runs before it
                 args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(doc, indent=1) + "\n")
+                args.out.write_text(json.dumps(summary(results, args.engine, args.minutes),
+                                               indent=1) + "\n")
     doc = summary(results, args.engine, args.minutes)
     print(json.dumps({"sessions_realtime": doc["sessions_realtime"],
                       "by_batch": doc["sessions_realtime_by_batch"]}))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def summary(results: list[dict], engine: str, minutes: float) -> dict:
