@@ -9,11 +9,13 @@ import dataclasses
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from charengine.assemble import rank_session
 from charengine.config import EngineConfig, Numerics
 from charengine.family import family
 from charengine.livetalk.spec import TINY, LiveTalkSwitches
+from charengine.livetalk.step import chunk_steps
 from charengine.mapping import Mapping
 from charengine.stepping import Together
 
@@ -99,6 +101,40 @@ def test_sessions_stepped_in_changing_batches_give_their_latents_alone(numerics)
             else:
                 assert (a - b).abs().max() <= FP32_BOUND, i
     assert not torch.equal(batched[0][-1], batched[1][-1])
+
+
+def test_a_batch_step_traces_into_one_graph_per_batch_size():
+    """The batched step as a GPU's graphs replay it: traced whole (no host sync or branch on
+    a device value breaks it) once per batch size, whatever sessions make up a batch and
+    across their resets; each session's latents still its latents alone, bit for bit."""
+    torch._dynamo.reset()
+    first = first_session(Numerics(), LiveTalkSwitches())
+    solo = alone(first)
+    graphs = CompileCounterWithBackend("aot_eager")  # counts the graphs traced
+    counts = BatchSizes(torch.compile(chunk_steps, fullgraph=True, dynamic=False,
+                                      backend=graphs))
+
+    def traced(sessions):
+        run = Together(first, SESSIONS)
+        run.step = counts
+        return run
+
+    batched, batches = together(first, traced)
+    assert batches >= 6 and counts.sizes == set(range(2, SESSIONS + 1)), counts.sizes
+    assert graphs.frame_count == len(counts.sizes)
+    for i in range(SESSIONS):
+        assert all(torch.equal(a, b) for a, b in zip(solo[i], batched[i])), i
+
+
+class BatchSizes:
+    """A batched step's calls: the batch sizes it was called with."""
+
+    def __init__(self, step):
+        self.step, self.sizes = step, set()
+
+    def __call__(self, model, caches, noises, audios, kinds):
+        self.sizes.add(len(caches))
+        return self.step(model, caches, noises, audios, kinds)
 
 
 def test_a_batch_takes_only_steps_that_may_join_one():

@@ -63,6 +63,9 @@ class LiveTalkDiT:
             self.modulations = self.computed_modulations
         self.rope = self.ops.rope
         self.kv_once = cfg.switches.text_kv_once
+        # the schedule's sigmas as the fp32 values its tensors hold, rounded once here (a
+        # step reads them as constants: it makes no tensor on the host)
+        self.sigmas = [float(torch.tensor(s, dtype=torch.float32)) for s in cfg.schedule.sigmas]
 
     def _gemms(self, plan: dict) -> dict:
         """Each FP8 linear kind's GEMM: the builder's choice on a GPU, else _scaled_mm (or

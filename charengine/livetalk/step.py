@@ -17,11 +17,6 @@ from .cache import ChunkCache
 from .model import LiveTalkDiT
 
 
-def float32(x: float) -> float:
-    """x as the fp32 value the schedule's tensors hold."""
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
 def chunk_step(model: LiveTalkDiT, cache: ChunkCache, noise: torch.Tensor, audio: torch.Tensor,
                c: int) -> torch.Tensor:
     """Chunk c's clean latent [C, F, h, w] (fp32) from `noise` [passes, C, F, h, w] (the
@@ -36,8 +31,7 @@ def chunk_steps(model: LiveTalkDiT, caches: list[ChunkCache], noises, audios,
     session's attention over its own cache; a session's latent is what chunk_step gives it
     alone up to the roundings of the larger GEMMs (its rows are its own: nothing of one
     session reaches another)."""
-    sched, dt = model.cfg.schedule, model.dtype
-    sigmas = [float32(s) for s in sched.sigmas]
+    sched, dt, sigmas = model.cfg.schedule, model.dtype, model.sigmas
     cs = [kind["c"] for kind in kinds]
     for cache, c in zip(caches, cs):
         cache.begin_chunk(c)
