@@ -264,6 +264,27 @@ def test_every_chunk_from_the_first_full_one_is_one_computation_of_its_window(en
                            A.chunk_features(A.TINY, encoder, window, k0 - 1))
 
 
+def test_the_steady_window_traces_whole_as_its_graph_captures_it(encoder, speech):
+    """What the audio graph captures, traced on the CPU: the steady window's encoder in one
+    graph with no break (no host sync or branch on a value), equal to the eager rows, and
+    traced once for every steady chunk."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from charengine.livetalk.audio_graph import first_full_chunk, steady_rows
+
+    k0 = first_full_chunk(A.TINY)
+    pos = A.window_positions(A.TINY, A.window_bounds(A.TINY, k0), None)
+    graphs = CompileCounterWithBackend("aot_eager")
+    traced = torch.compile(steady_rows, fullgraph=True, dynamic=False, backend=graphs)
+    long = torch.cat([speech, speech])
+    with torch.inference_mode():
+        for k in (k0, k0 + 1, k0 + 4):
+            window = A.chunk_window(A.TINY, long, k)
+            assert torch.equal(traced(A.TINY, encoder, window, pos),
+                               A.chunk_features(A.TINY, encoder, window, k)), k
+    assert graphs.frame_count == 1
+
+
 def test_side_networks_graph_the_audio_only_on_a_gpu():
     from charengine.livetalk.sidenets import SideNets
     from charengine.livetalk.spec import TINY
