@@ -9,7 +9,7 @@ from charengine.config import EngineConfig, preset
 from charengine.assemble import rank_session, rank_state
 from charengine.family import family
 from charengine.livetalk.spec import TINY as LIVETALK_TINY, LiveTalkSwitches
-from charengine.livetalk.step import chunk_step
+from charengine.livetalk.step import ChunkSteps, chunk_step
 from charengine.mapping import Mapping
 from charengine.characters.step import ar_step
 from charengine.characters.weights import random_weights
@@ -40,6 +40,27 @@ def test_step_compiles_fullgraph_and_never_recompiles():
     assert fast.k == steps
 
 
+class TracedGraphs:
+    """StepGraphs' choice of a step on the CPU, with a traced step for the graphs: a chunk
+    that has a graph runs `traced` with the static arguments that graph is captured with;
+    the others run eagerly, and the first steady one names the graphs (rule.captures)."""
+
+    def __init__(self, rule, traced):
+        self.rule, self.traced = rule, traced
+        self.statics: dict = {}  # each graph's static arguments, as StepGraphs captures them
+        self.replayed: set = set()
+
+    def __call__(self, model, cache, noise, audio, **kind):
+        key = self.rule.graph_key(cache, kind)
+        if key in self.statics:
+            self.replayed.add(key)
+            return self.traced(model, cache, noise, audio, **self.statics[key])
+        out = chunk_step(model, cache, noise, audio, **kind)
+        if not self.statics and key is not None and self.rule.captures_at(cache, kind):
+            self.statics = dict(self.rule.captures(cache, kind))
+        return out
+
+
 def test_livetalk_chunks_compile_fullgraph_and_replay_across_wraps_and_resets():
     """LiveTalk's chunk step as its CUDA graphs replay it: each graphed chunk (the fill
     chunks, the steady and the reset chunk) runs with the static arguments its graph was
@@ -50,19 +71,17 @@ def test_livetalk_chunks_compile_fullgraph_and_replay_across_wraps_and_resets():
     fam = family("livetalk")
     cfg = EngineConfig(model=LIVETALK_TINY, switches=LiveTalkSwitches())
     full = fam.random_weights(LIVETALK_TINY, 0)
-
-    def session():
-        return rank_session(cfg, fam.rank_state(cfg, full), Mapping.single(),
-                            tables=fam.bake_tables(cfg, full), graphed=False)
-
-    eager, fast = session(), session()
     graphs = CompileCounterWithBackend("aot_eager")  # counts the graphs traced
-    rule = fast.rule
-    compiled = torch.compile(chunk_step, fullgraph=True, dynamic=False, backend=graphs)
+    replays = TracedGraphs(ChunkSteps(cfg), torch.compile(chunk_step, fullgraph=True,
+                                                          dynamic=False, backend=graphs))
+
+    def session(step_fn=None):
+        return rank_session(cfg, fam.rank_state(cfg, full), Mapping.single(),
+                            tables=fam.bake_tables(cfg, full), graphed=False, step_fn=step_fn)
+
+    eager, fast = session(), session(replays)
     shapes = fam.step_shapes(LIVETALK_TINY)
-    steps = rule.steady_step + 3 * cfg.cache.reset_period + 1  # wraps and resets in each
-    statics: dict = {}  # each graph's static arguments, as StepGraphs captures them
-    replayed = set()
+    steps = fast.rule.steady_step + 3 * cfg.cache.reset_period + 1  # wraps and resets in each
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=64):
         for n in range(3):
             g = torch.Generator().manual_seed(n)
@@ -70,28 +89,16 @@ def test_livetalk_chunks_compile_fullgraph_and_replay_across_wraps_and_resets():
                 torch.randn(shapes.prompt, generator=g)
             eager.start(ref, prompt)
             fast.start(ref, prompt)
+            replays.replayed.clear()
             if n == 2:  # every graph seen: the third session only replays
                 torch.compiler.set_stance("fail_on_recompile")
             try:
                 for k in range(steps):
                     noise = torch.randn(shapes.noise_shape, generator=g)
                     audio = torch.randn(shapes.features, generator=g)
-                    a = eager.step(noise, audio)
-                    kind = rule.kind(k)
-                    key = rule.graph_key(fast.cache, kind)
-                    rule.before(fast.cache, k)
-                    if key in statics:
-                        b = compiled(fast.model, fast.cache, noise, audio, **statics[key])
-                        replayed.add((n, key))
-                    else:
-                        b = chunk_step(fast.model, fast.cache, noise, audio, **kind)
-                        if not statics and key is not None and rule.captures_at(fast.cache,
-                                                                                kind):
-                            statics = dict(rule.captures(fast.cache, kind))
-                    fast.k += 1
-                    assert torch.equal(a, b), (n, k, key)
+                    assert torch.equal(eager.step(noise, audio), fast.step(noise, audio)), (n, k)
             finally:
                 torch.compiler.set_stance("default")
-    assert {key for n, key in replayed if n == 2} == set(statics), (replayed, statics)
-    assert len(statics) > 2  # the fill chunks' graphs besides the steady and reset ones
-    assert graphs.frame_count == len(statics)  # one trace a graph: none in the third session
+    assert replays.replayed == set(replays.statics), (replays.replayed, replays.statics)
+    assert len(replays.statics) > 2  # the fill chunks' graphs besides the steady and reset ones
+    assert graphs.frame_count == len(replays.statics)  # one trace a graph: none in the third
