@@ -1,0 +1,216 @@
+"""Every GPU test and the GPU run of each script, in order, as steps that one call runs within
+a time budget and the next call resumes: how a tree whose GPU code changed, or a new GPU, is
+checked before its figures are trusted.
+
+    python scripts/gpu_checks.py --list                          # the steps and their commands
+    python scripts/gpu_checks.py --engine /tmp/lt --budget-min 9 --resume \\
+        --out docs/results/gpu_checks_h200.json                  # again until all have run
+    python scripts/gpu_checks.py --only kernels,models --out /tmp/checks.json
+
+After each step its outcome (passed, failed or timed out, its seconds, the commit, the tail
+of its output) is written to --out; --resume skips the steps the file records as passed at
+this commit. A step whose expected minutes do not fit what is left of --budget-min is not
+started (the next call takes it); one that outruns the budget is stopped and recorded as
+timed out. The engine step runs first whenever a step needs --engine and it holds no
+engine. Steps that need more GPUs than the machine has are left for one that has them.
+--dry-run prints what a call would run (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TAIL_LINES = 40  # of a step's output kept in --out
+PY = "{python}"  # the interpreter running this script
+ENGINE = "{engine}"  # --engine: h200-livetalk with random weights, built by the first step
+DENSITY_SESSIONS = (1, 2, 4, 8)  # each served with single steps and with batches of all
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    minutes: float  # expected on one H200 (from the recorded runs' seconds); budgets a call
+    command: tuple[str, ...]
+    gpus: int = 1
+    makes_engine: bool = False
+
+
+def _pytest(*files: str) -> tuple[str, ...]:
+    return (PY, "-m", "pytest", "-q", "-m", "gpu", *(f"tests/{f}" for f in files))
+
+
+def _script(name: str, *args: str) -> tuple[str, ...]:
+    return (PY, f"scripts/{name}", *args)
+
+
+def _density(sessions: int, batch: int) -> Step:
+    return Step(f"density-{sessions}-batch-{batch}", 11,
+                _script("bench_density.py", "--engine", ENGINE, "--sessions", str(sessions),
+                        "--minutes", "10", "--batch", str(batch), "--netns", "--resume",
+                        "--out", "docs/results/density/density_livetalk-1.3b_h200.json"))
+
+
+STEPS = (
+    Step("engine", 4, (PY, "-m", "charengine.builder.cli", "--target", "h200-livetalk",
+                       "--random-weights", "--out", ENGINE), makes_engine=True),
+    Step("telemetry", 4, _pytest("test_gpu_telemetry.py")),
+    Step("kernels", 6, _pytest("test_kernels.py", "test_livetalk_kernels.py",
+                               "test_act_quant.py", "test_pre_attention_width.py",
+                               "test_custom_ops.py", "test_gemm_allreduce.py")),
+    Step("models", 6, _pytest("test_gpu.py", "test_livetalk_model.py", "test_livetalk_vae.py",
+                              "test_livetalk_audio.py", "test_startup.py")),
+    Step("batches", 3, _pytest("test_batches.py")),
+    Step("compare-trees", 9, _script("compare_trees.py", "--base", "8a2843f", "--runs", "3",
+                                     "--out", "docs/results/compare_8a2843f_h200.json")),
+    Step("session-batches", 3, _script("bench_session.py", "--engine", ENGINE, "--steps", "40",
+                                       "--batches", "2,4,8")),
+    Step("kernels-livetalk", 3, _script("bench_kernels.py", "--preset", "livetalk-1.3b")),
+    Step("kernels-characters", 4, _script("bench_kernels.py", "--preset", "characters-57b",
+                                          "--tp", "3")),
+    Step("sidenets", 2, _script("bench_sidenets.py", "--preset", "livetalk-1.3b")),
+    Step("numerics", 3, _script("numerics_compare.py", "--preset", "livetalk-1.3b",
+                                "--device", "cuda")),
+    Step("startup", 4, _script("bench_startup.py", "--engine", ENGINE)),
+    Step("waterfall", 8, _script("bench_waterfall.py", "--preset", "livetalk-1.3b")),
+    Step("latency", 3, _script("livetalk_latency.py", "--engine", ENGINE, "--chunks", "100",
+                               "--turn-s", "4", "--pause-s", "3")),
+    Step("latency-bursts", 3, _script("livetalk_latency.py", "--engine", ENGINE, "--chunks",
+                                      "100", "--turn-s", "4", "--pause-s", "3", "--burst", "4")),
+    Step("pipecat", 4, _script("bench_pipecat.py", "--engine", ENGINE, "--netns", "--out",
+                               "docs/results/pipecat/turns_livetalk-1.3b_h200.json")),
+    Step("soak", 6, _script("soak.py", "--engine", ENGINE, "--sessions", "4", "--batch", "4",
+                            "--waves", "10", "--netns", "--out",
+                            "docs/results/soak/soak_livetalk-1.3b_h200.json")),
+    *(_density(n, b) for n in DENSITY_SESSIONS for b in sorted({1, n})),
+    Step("multigpu", 5, _pytest("test_multigpu.py"), gpus=2),
+)
+
+
+def command(step: Step, engine: Path) -> list[str]:
+    return [a.format(python=sys.executable, engine=engine) for a in step.command]
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                         text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def plan(steps, record: dict, commit: str, engine: Path, budget_min: float | None, gpus: int,
+         resume: bool) -> tuple[list[Step], list[str]]:
+    """The steps this call runs, in order, and a line for each it leaves and why."""
+    chosen, left, minutes, full = [], [], 0.0, False
+    built = (engine / "manifest.json").is_file()
+    if not built and any(ENGINE in s.command for s in steps):
+        steps = [*(s for s in STEPS if s.makes_engine and s not in steps), *steps]
+    for s in steps:
+        done = record.get(s.name, {})
+        passed = done.get("status") == "passed" and done.get("commit") == commit
+        if resume and passed and (built or not s.makes_engine):
+            continue
+        if s.gpus > gpus:
+            left.append(f"{s.name}: needs {s.gpus} GPUs, this call has {gpus}")
+        elif budget_min is not None and s.minutes > budget_min:
+            left.append(f"{s.name}: expects {s.minutes:g} min, more than --budget-min "
+                        f"{budget_min:g}")
+        elif full or (budget_min is not None and minutes + s.minutes > budget_min):
+            full = True  # the steps keep their order: the rest wait for the next call
+            left.append(f"{s.name}: for the next call")
+        else:
+            chosen.append(s)
+            minutes += s.minutes
+    return chosen, left
+
+
+def run_step(step: Step, engine: Path, timeout_s: float | None) -> dict:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(command(step, engine), cwd=ROOT, capture_output=True, text=True,
+                           timeout=timeout_s)
+        status, out = ("passed" if p.returncode == 0 else "failed"), p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        status = "timed out"
+        out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                      for x in (e.stdout, e.stderr))
+    return {"status": status, "seconds": round(time.perf_counter() - t0, 1),
+            "tail": out.splitlines()[-TAIL_LINES:]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", type=Path, default=Path("/tmp/lt"))
+    ap.add_argument("--out", type=Path, help="the steps' outcomes (JSON), written after each")
+    ap.add_argument("--resume", action="store_true", help="skip the steps --out has passed")
+    ap.add_argument("--budget-min", type=float, help="minutes this call may take")
+    ap.add_argument("--only", help="comma-separated step names")
+    ap.add_argument("--list", action="store_true", help="print every step and exit")
+    ap.add_argument("--dry-run", action="store_true", help="print what would run and exit")
+    a = ap.parse_args(argv)
+    steps = STEPS
+    if a.only:
+        names = a.only.split(",")
+        unknown = sorted(set(names) - {s.name for s in STEPS})
+        if unknown:
+            ap.error(f"unknown step(s) {', '.join(unknown)}; --list shows them")
+        steps = tuple(s for s in STEPS if s.name in names)
+    if a.list:
+        for s in steps:
+            gpus = f", {s.gpus} GPUs" if s.gpus > 1 else ""
+            print(f"{s.name:20s} {s.minutes:4g} min{gpus}  {' '.join(command(s, a.engine))}")
+        return 0
+    if a.resume and a.out is None:
+        ap.error("--resume reads the outcomes of --out: give --out")
+    try:
+        saved = json.loads(a.out.read_text()) if a.resume and a.out.is_file() else {}
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"gpu_checks: cannot read {a.out} ({e}); give another --out or fix it",
+              file=sys.stderr)
+        return 2
+    record = saved.get("steps", {})
+    commit = _commit()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not a.dry_run and gpus == 0:
+        print("gpu_checks: needs a CUDA GPU and this machine has none; --list or --dry-run "
+              "shows the steps", file=sys.stderr)
+        return 2
+    # a dry run on a machine without CUDA plans for one GPU
+    chosen, left = plan(steps, record, commit, a.engine, a.budget_min, max(gpus, 1), a.resume)
+    if a.dry_run:
+        for s in chosen:
+            print(f"{s.name}: {' '.join(command(s, a.engine))}")
+        for line in left:
+            print(f"left {line}")
+        return 0
+    t0 = time.perf_counter()
+    gpu = torch.cuda.get_device_name(0)
+    failed = 0
+    for s in chosen:
+        left_s = None if a.budget_min is None else a.budget_min * 60 - (time.perf_counter() - t0)
+        print(f"{s.name}: running (expects {s.minutes:g} min)", flush=True)
+        outcome = run_step(s, a.engine, left_s)
+        record[s.name] = {**outcome, "commit": commit, "gpu": gpu,
+                          "command": " ".join(command(s, a.engine)),
+                          "at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        failed += outcome["status"] != "passed"
+        print(f"{s.name}: {outcome['status']} in {outcome['seconds']:.0f} s", flush=True)
+        if a.out is not None:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps({"steps": record}, indent=1) + "\n")
+        if outcome["status"] == "timed out":
+            break
+    for line in left:
+        print(f"left {line}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
