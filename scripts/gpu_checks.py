@@ -170,7 +170,8 @@ def main(argv=None) -> int:
     if a.resume and a.out is None:
         ap.error("--resume reads the outcomes of --out: give --out")
     try:
-        saved = json.loads(a.out.read_text()) if a.resume and a.out.is_file() else {}
+        # the outcomes already there are kept (a step run again replaces its own)
+        saved = json.loads(a.out.read_text()) if a.out is not None and a.out.is_file() else {}
     except (OSError, json.JSONDecodeError) as e:
         print(f"gpu_checks: cannot read {a.out} ({e}); give another --out or fix it",
               file=sys.stderr)
