@@ -38,7 +38,7 @@ DENSITY_SESSIONS = (1, 2, 4, 8)  # each served with single steps and with batche
 @dataclass(frozen=True)
 class Step:
     name: str
-    minutes: float  # expected on one H200 (from the recorded runs' seconds); budgets a call
+    minutes: float  # expected on one H200, an estimate until --out records its seconds
     command: tuple[str, ...]
     gpus: int = 1
     makes_engine: bool = False
