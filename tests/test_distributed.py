@@ -230,6 +230,9 @@ def test_lanes_on_the_rank_group_step_in_turns_as_each_runs_alone(engines):
 
     try:
         assert len(worker.lanes) == 4 and worker.startup["sessions"] == 4
+        cap = worker.capacity  # the ranks' step time, lane 0 left to run as alone below
+        assert cap.budget_s == worker.family.step_frames(spec, 1) / spec.fps
+        assert cap.diffusion_s > 0 and cap.side_s > 0 and cap.shared_device
         together = {}
 
         def go(i):

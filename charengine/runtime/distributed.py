@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from charengine.family import family_of
 from charengine.mapping import Mapping
-from charengine.timing import DeviceSpan, median
+from charengine.timing import DeviceSpan
 
 from .engine import Engine, EngineError
 from .lanes import CAPACITY_STEPS, Capacity, Lane, Turns
@@ -496,35 +496,19 @@ class DistributedWorker:
 
     @torch.inference_mode()
     def measure_capacity(self, steps: int = CAPACITY_STEPS, seed: int = 0) -> Capacity:
-        """As Worker.measure_capacity, over the group: a steady step's busy time on the TP
-        ranks (their own measure, sent with the latent) and the audio encode and decode on
-        this process's device, medians over `steps` steps of the first lane at its steady
-        point, against the step's budget less REALTIME_MARGIN."""
+        """As Worker.measure_capacity, over the group (Lane.measure_capacity on the first
+        lane): a step's diffusion timed by the TP ranks (their own measure, sent with the
+        latent), its audio encode and decode on this process's device."""
         lane = self.lanes[0]
-        k_audio = self.family.steady_audio_step(self.spec)
-        window = self.family.audio_window(
-            self.spec, torch.zeros(self.family.window_samples(self.spec)), k_audio)
         lane.start(torch.zeros(3, self.spec.out_h, self.spec.out_w), "")
-        diffusion, side = [], []
+        # on one device (a CPU's cores, a GPU shared with the decoder) the parts add up
+        shared = self.mapping.torch_device == self.decoder_device
         with self.turns.turn():
             try:
                 self._open(0, CMD_START, 0, seed)
-                for k in range(self.family.steady_from(self.cfg) + steps):
-                    feats = lane.encode_window(window, k_audio, timed=True)
-                    out = self._step(0, feats.value)
-                    pieces = lane.pieces(out.value) or (out.value,)
-                    decoded = [lane.decode(p, timed=True) for p in pieces]
-                    if k >= self.family.steady_from(self.cfg):
-                        diffusion.append(out.span)
-                        side.append(feats.span.seconds(wait=True) +
-                                    sum(d.span.seconds(wait=True) for d in decoded))
+                return lane.measure_capacity(lambda feats: self._step(0, feats), steps, shared)
             except RuntimeError as e:
                 raise self._failure(e) from None
-        lane.decoder.reset()
-        budget = self.family.step_frames(self.spec, 1) / self.spec.fps
-        # on one device (a CPU's cores, a GPU shared with the decoder) the parts add up
-        shared = self.mapping.torch_device == self.decoder_device
-        return Capacity(median(diffusion), median(side), budget, shared, self.target.name)
 
     def start(self, image: torch.Tensor, prompt: str) -> None:
         """New session on the first lane (what a worker of one session runs)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from charengine.timing import DeviceSpan
+from charengine.timing import DeviceSpan, median
 
 from .pipeline import Pipeline, StepTimes, Timed
 
@@ -239,6 +239,41 @@ class Lane:
     def pieces(self, latent: torch.Tensor):
         """The step's latent as this lane's decoder calls (None: decoded whole)."""
         return self.family.decode_pieces(self.side, latent, self.decoder)
+
+    def steady_window(self) -> tuple[torch.Tensor, int]:
+        """A steady step's index and its audio window of silence: what the measures of a
+        step's cost (processing time, capacity) encode."""
+        k_audio = self.family.steady_audio_step(self.spec)
+        silence = torch.zeros(self.family.window_samples(self.spec))
+        return self.family.audio_window(self.spec, silence, k_audio), k_audio
+
+    @torch.inference_mode()
+    def measure_capacity(self, step, steps: int, shared_device: bool) -> Capacity:
+        """What one steady step of this lane's session costs each device, against the step's
+        budget (its frames at the engine's fps): medians over `steps` steps after the ones
+        before the steady point (every step encoded, stepped and decoded as a live one is),
+        the diffusion's busy time as `step(feats) -> Timed` reports it (the worker's own
+        way to the session: a DeviceSpan here, the TP ranks' seconds there) and the audio
+        encode and the step's whole decode on the decoder's device. The session is started
+        by the caller; its decoder is left reset, as a session's start leaves it."""
+        window, k_audio = self.steady_window()
+        warm = self.family.steady_from(self.cfg)
+        diffusion, side = [], []
+        for k in range(warm + steps):
+            feats = self.encode_window(window, k_audio, timed=True)
+            out = step(feats.value)
+            pieces = self.pieces(out.value) or (out.value,)
+            after = out.span.done if isinstance(out.span, DeviceSpan) else None
+            decoded = [self.decode(p, after=after, timed=True) for p in pieces]
+            if k >= warm:
+                diffusion.append(out.span.seconds(wait=True)
+                                 if isinstance(out.span, DeviceSpan) else out.span)
+                side.append(feats.span.seconds(wait=True) +
+                            sum(d.span.seconds(wait=True) for d in decoded))
+        self.decoder.reset()
+        budget = self.family.step_frames(self.spec, 1) / self.spec.fps
+        return Capacity(median(diffusion), median(side), budget, shared_device,
+                        self.target.name)
 
     @torch.inference_mode()
     def start(self, image: torch.Tensor, prompt: str) -> None:

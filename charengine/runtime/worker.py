@@ -16,6 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -229,12 +230,9 @@ class Worker:
         A live session's deadlines use it until its own steps have been measured."""
         g = torch.Generator().manual_seed(seed)
         shapes = self.family.step_shapes(self.spec)
-        k_audio = self.family.steady_audio_step(self.spec)
-        window = self.family.audio_window(
-            self.spec, torch.zeros(self.family.window_samples(self.spec)), k_audio)
         noise = torch.randn(shapes.noise_shape, generator=g)
-
         lane = self.lanes[0]
+        window, k_audio = lane.steady_window()
 
         def first_piece(latent):
             pieces = lane.pieces(latent) or (latent,)
@@ -251,50 +249,34 @@ class Worker:
 
     @torch.inference_mode()
     def measure_capacity(self, steps: int = CAPACITY_STEPS, seed: int = 0) -> Capacity:
-        """How many sessions this worker's devices hold in real time: a steady step's busy
-        time on each device (the diffusion; the audio encode and the whole step's decode on
-        the decoder's), medians over `steps` steps of the first lane at its steady point,
-        against the step's budget (its frames at the engine's fps) less REALTIME_MARGIN. The
-        lane's session is left as a session's start will reset it."""
+        """How many sessions this worker's devices hold in real time (Lane.measure_capacity on
+        the first lane, its diffusion timed on this device) and, with batches, one batched
+        step of the most it takes on this device. The lane's session is left as a session's
+        start will reset it."""
         lane = self.lanes[0]
         g = torch.Generator().manual_seed(seed)
-        shapes = self.family.step_shapes(self.spec)
-        k_audio = self.family.steady_audio_step(self.spec)
-        window = self.family.audio_window(
-            self.spec, torch.zeros(self.family.window_samples(self.spec)), k_audio)
-        lane.start(torch.zeros(3, self.spec.out_h, self.spec.out_w), "")
-        for _ in range(self.family.steady_from(self.cfg)):  # the steps before the steady one
-            self.session.step(torch.randn(shapes.noise_shape, generator=g).to(self.device),
-                              lane.encode_window(window, k_audio).to(self.device))
-        diffusion, side = [], []
-        for _ in range(steps):
-            feats = lane.encode_window(window, k_audio, timed=True)
-            noise = torch.randn(shapes.noise_shape, generator=g).to(self.device)
+        shape = self.family.step_shapes(self.spec).noise_shape
+
+        def step(feats):
+            noise = torch.randn(shape, generator=g).to(self.device)
             span = DeviceSpan(self.device)
-            latent = self.session.step(noise, feats.value.to(self.device))
-            span.end()
-            pieces = lane.pieces(latent) or (latent,)
-            decoded = [lane.decode(p, after=span.done, timed=True) for p in pieces]
-            diffusion.append(span.seconds(wait=True))
-            side.append(feats.span.seconds(wait=True) +
-                        sum(d.span.seconds(wait=True) for d in decoded))
-        batch_s = None
-        if self.together is not None:  # a batch of the most it takes, each place this step
-            most = self.together.most
-            feats = lane.encode_window(window, k_audio).to(self.device)
-            batches = []
-            for _ in range(steps):
-                noise = [torch.randn(shapes.noise_shape, generator=g).to(self.device)
-                         for _ in range(most)]
-                span = DeviceSpan(self.device)
-                self.together.rehearse(self.session, noise, [feats] * most)  # copies too
-                batches.append(span.end().seconds(wait=True))
-            batch_s = median(batches)
-        self.side.decoder.reset()
-        budget = self.family.step_frames(self.spec, 1) / self.spec.fps
-        return Capacity(median(diffusion), median(side), budget,
-                        self.decoder_device == self.device, self.target.name,
-                        self.together.most if self.together else 1, batch_s)
+            latent = self.session.step(noise, feats.to(self.device))
+            return Timed(latent, span.end())
+
+        lane.start(torch.zeros(3, self.spec.out_h, self.spec.out_w), "")
+        capacity = lane.measure_capacity(step, steps, self.decoder_device == self.device)
+        if self.together is None:
+            return capacity
+        most = self.together.most  # a batch of the most it takes, each place this step
+        window, k_audio = lane.steady_window()
+        feats = lane.encode_window(window, k_audio).to(self.device)
+        batches = []
+        for _ in range(steps):
+            noise = [torch.randn(shape, generator=g).to(self.device) for _ in range(most)]
+            span = DeviceSpan(self.device)
+            self.together.rehearse(self.session, noise, [feats] * most)  # copies too
+            batches.append(span.end().seconds(wait=True))
+        return replace(capacity, batch=most, batch_s=median(batches))
 
     @property
     def compiles(self) -> int:
