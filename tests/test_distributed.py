@@ -232,7 +232,7 @@ def test_lanes_on_the_rank_group_step_in_turns_as_each_runs_alone(engines):
         assert len(worker.lanes) == 4 and worker.startup["sessions"] == 4
         cap = worker.capacity  # the ranks' step time, lane 0 left to run as alone below
         assert cap.budget_s == worker.family.step_frames(spec, 1) / spec.fps
-        assert cap.diffusion_s > 0 and cap.side_s > 0 and cap.shared_device
+        assert cap.shared_device and (cap.batch, cap.batch_s) == (1, None)
         together = {}
 
         def go(i):

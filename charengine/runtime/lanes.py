@@ -263,13 +263,11 @@ class Lane:
             feats = self.encode_window(window, k_audio, timed=True)
             out = step(feats.value)
             pieces = self.pieces(out.value) or (out.value,)
-            after = out.span.done if isinstance(out.span, DeviceSpan) else None
-            decoded = [self.decode(p, after=after, timed=True) for p in pieces]
+            decoded = [self.decode(p, after=out.done, timed=True) for p in pieces]
             if k >= warm:
-                diffusion.append(out.span.seconds(wait=True)
-                                 if isinstance(out.span, DeviceSpan) else out.span)
-                side.append(feats.span.seconds(wait=True) +
-                            sum(d.span.seconds(wait=True) for d in decoded))
+                diffusion.append(out.seconds(wait=True))
+                side.append(feats.seconds(wait=True) +
+                            sum(d.seconds(wait=True) for d in decoded))
         self.decoder.reset()
         budget = self.family.step_frames(self.spec, 1) / self.spec.fps
         return Capacity(median(diffusion), median(side), budget, shared_device,

@@ -46,6 +46,16 @@ class Timed:
     value: object
     span: DeviceSpan | float
 
+    def seconds(self, wait: bool = False) -> float | None:
+        """The busy seconds (a DeviceSpan's: None while its work runs, unless `wait`)."""
+        return self.span.seconds(wait) if isinstance(self.span, DeviceSpan) else self.span
+
+    @property
+    def done(self):
+        """The event at the work's end for another stream to wait on (None off CUDA, and
+        for seconds measured elsewhere)."""
+        return self.span.done if isinstance(self.span, DeviceSpan) else None
+
 
 @dataclass
 class StepTimes:
@@ -211,8 +221,7 @@ class Pipeline:
                 if k == 0:
                     self.times.first_piece.append((t0, time.perf_counter()))
                 if isinstance(frames, Timed):  # each piece's work is done when it is handed on
-                    busy += frames.span.seconds(wait=True) \
-                        if isinstance(frames.span, DeviceSpan) else frames.span
+                    busy += frames.seconds(wait=True)
                     frames = frames.value
                 self._put(self.frame_q, (j, frames, meta, False))
             self.times.decode.append((t0, time.perf_counter()))
