@@ -14,12 +14,27 @@ started (the next call takes it); one that outruns the budget is stopped and rec
 timed out. The engine step runs first whenever a step needs --engine and it holds no
 engine. Steps that need more GPUs than the machine has are left for one that has them.
 --dry-run prints what a call would run (no GPU needed).
+
+A step longer than any one call (a density run of 10 minutes where a call may take 9) needs
+--detach: when the next step in order expects more than --budget-min, it is started once the
+call's own steps have ended, in a process session of its own that outlives the call, its
+output to a log beside --out; the call returns. Each later call first looks at it: while it
+runs, the call runs nothing else (the GPU is its) and says so; once it has ended, its exit
+code and the tail of its log are recorded as any step's, and the call goes on. One that
+ended without an exit code (its machine restarted) is recorded as lost and runs again; one
+still running at STALE_FACTOR times its expected minutes is stopped and recorded as timed
+out.
+
+    python scripts/gpu_checks.py --engine /tmp/lt --budget-min 9 --resume --detach \\
+        --out docs/results/gpu_checks_h200.json          # again until all have run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +48,10 @@ TAIL_LINES = 40  # of a step's output kept in --out
 PY = "{python}"  # the interpreter running this script
 ENGINE = "{engine}"  # --engine: h200-livetalk with random weights, built by the first step
 DENSITY_SESSIONS = (1, 2, 4, 8)  # each served with single steps and with batches of all
+STALE_FACTOR = 3  # a detached step still running at this many times its minutes is stopped
+# a detached step's shell: its command's output to its log, then its exit code to a file
+# written whole (moved into place), so a reader never sees half of one
+DETACHED_SHELL = '"$@"; rc=$?; echo $rc > "$0.part" && mv "$0.part" "$0"'
 
 
 @dataclass(frozen=True)
@@ -106,9 +125,11 @@ def _commit() -> str:
 
 
 def plan(steps, record: dict, commit: str, engine: Path, budget_min: float | None, gpus: int,
-         resume: bool) -> tuple[list[Step], list[str]]:
-    """The steps this call runs, in order, and a line for each it leaves and why."""
-    chosen, left, minutes, full = [], [], 0.0, False
+         resume: bool, detach: bool = False) -> tuple[list[Step], Step | None, list[str]]:
+    """The steps this call runs, in order; the step it then starts detached (--detach: the
+    next in order when it expects more than the budget), if any; and a line for each it
+    leaves and why."""
+    chosen, detached, left, minutes, full = [], None, [], 0.0, False
     built = (engine / "manifest.json").is_file()
     if not built and any(ENGINE in s.command for s in steps):
         steps = [*(s for s in STEPS if s.makes_engine and s not in steps), *steps]
@@ -119,7 +140,9 @@ def plan(steps, record: dict, commit: str, engine: Path, budget_min: float | Non
             continue
         if s.gpus > gpus:
             left.append(f"{s.name}: needs {s.gpus} GPUs, this call has {gpus}")
-        elif budget_min is not None and s.minutes > budget_min:
+        elif detach and not full and budget_min is not None and s.minutes > budget_min:
+            detached, full = s, True  # longer than any call: started at this call's end
+        elif not detach and budget_min is not None and s.minutes > budget_min:
             left.append(f"{s.name}: expects {s.minutes:g} min, more than --budget-min "
                         f"{budget_min:g}")
         elif full or (budget_min is not None and minutes + s.minutes > budget_min):
@@ -128,7 +151,7 @@ def plan(steps, record: dict, commit: str, engine: Path, budget_min: float | Non
         else:
             chosen.append(s)
             minutes += s.minutes
-    return chosen, left
+    return chosen, detached, left
 
 
 def run_step(step: Step, engine: Path, timeout_s: float | None) -> dict:
@@ -145,6 +168,74 @@ def run_step(step: Step, engine: Path, timeout_s: float | None) -> dict:
             "tail": out.splitlines()[-TAIL_LINES:]}
 
 
+def detached_paths(out: Path, step: Step) -> tuple[Path, Path]:
+    """A detached step's log and exit-code file, beside --out."""
+    stem = out.parent / f"{out.stem}.{step.name}"
+    return stem.with_name(stem.name + ".log"), stem.with_name(stem.name + ".rc")
+
+
+def start_detached(step: Step, engine: Path, out: Path) -> dict:
+    """Starts the step in a process session of its own, which outlives this call; the record
+    of it as running."""
+    log, rc = detached_paths(out, step)
+    rc.unlink(missing_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        p = subprocess.Popen(["sh", "-c", DETACHED_SHELL, str(rc), *command(step, engine)],
+                             cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    return {"status": "running", "pid": p.pid, "forked": _process(p.pid)[1],
+            "started": time.time(), "minutes": step.minutes, "log": str(log), "rc": str(rc)}
+
+
+def _process(pid: int) -> tuple[str, str] | None:
+    """A process's state letter and start time (clock ticks after boot, fixed at its fork),
+    or None if there is none with this pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (name) "
+    return fields[0], fields[19]
+
+
+def _alive(entry: dict) -> bool:
+    """Whether the detached shell still runs: its pid is there, not a zombie, and started
+    when it did (not a pid reused since)."""
+    now = _process(entry["pid"])
+    return now is not None and now[0] != "Z" and now[1] == entry["forked"]
+
+
+def collect(entry: dict, now: float) -> dict | None:
+    """A detached step's outcome once it has ended (passed, failed, lost) or has run
+    STALE_FACTOR times its minutes (timed out: `settle` stops it), or None while it runs.
+    Reads only."""
+    rc, log = Path(entry["rc"]), Path(entry["log"])
+    if rc.is_file():
+        status = "passed" if rc.read_text().strip() == "0" else "failed"
+        ended = rc.stat().st_mtime
+    elif not _alive(entry):
+        status, ended = "lost", now  # ended with no exit code: its machine restarted
+    elif now - entry["started"] > STALE_FACTOR * entry["minutes"] * 60:
+        status, ended = "timed out", now
+    else:
+        return None
+    tail = log.read_text(errors="replace").splitlines()[-TAIL_LINES:] if log.is_file() else []
+    return {"status": status, "seconds": round(ended - entry["started"], 1), "tail": tail}
+
+
+def settle(entry: dict, outcome: dict) -> dict:
+    """Stops a timed-out detached step, removes its exit-code file; its record as ended."""
+    if outcome["status"] == "timed out":
+        try:
+            os.killpg(entry["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it ended since
+    Path(entry["rc"]).unlink(missing_ok=True)
+    return {**{k: v for k, v in entry.items() if k not in ("pid", "forked", "rc", "started")},
+            **outcome}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", type=Path, default=Path("/tmp/lt"))
@@ -152,6 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="skip the steps --out has passed")
     ap.add_argument("--budget-min", type=float, help="minutes this call may take")
     ap.add_argument("--only", help="comma-separated step names")
+    ap.add_argument("--detach", action="store_true",
+                    help="start the next step detached when it expects more than --budget-min; "
+                         "later calls record it once it has ended (needs --out)")
     ap.add_argument("--list", action="store_true", help="print every step and exit")
     ap.add_argument("--dry-run", action="store_true", help="print what would run and exit")
     a = ap.parse_args(argv)
@@ -169,6 +263,9 @@ def main(argv=None) -> int:
         return 0
     if a.resume and a.out is None:
         ap.error("--resume reads the outcomes of --out: give --out")
+    if a.detach and (a.out is None or a.budget_min is None):
+        ap.error("--detach starts a step longer than --budget-min and records it in --out: "
+                 "give both")
     try:
         # the outcomes already there are kept (a step run again replaces its own)
         saved = json.loads(a.out.read_text()) if a.out is not None and a.out.is_file() else {}
@@ -177,6 +274,21 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     record = saved.get("steps", {})
+    for name, entry in list(record.items()):  # detached steps started by earlier calls
+        if entry.get("status") != "running":
+            continue
+        outcome = collect(entry, time.time())
+        if outcome is None or a.dry_run:
+            state = "running" if outcome is None else f"ended ({outcome['status']})"
+            print(f"{name}: {state} detached (pid {entry['pid']}, "
+                  f"{(time.time() - entry['started']) / 60:.1f} min since its start, expects "
+                  f"{entry['minutes']:g}); " + ("this call runs nothing else" if outcome is None
+                                                 else "a call records it first"), flush=True)
+            return 0
+        record[name] = settle(entry, outcome)
+        print(f"{name}: {outcome['status']} in {outcome['seconds']:.0f} s (detached)",
+              flush=True)
+        a.out.write_text(json.dumps({"steps": record}, indent=1) + "\n")
     commit = _commit()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not a.dry_run and gpus == 0:
@@ -184,10 +296,13 @@ def main(argv=None) -> int:
               "shows the steps", file=sys.stderr)
         return 2
     # a dry run on a machine without CUDA plans for one GPU
-    chosen, left = plan(steps, record, commit, a.engine, a.budget_min, max(gpus, 1), a.resume)
+    chosen, detached, left = plan(steps, record, commit, a.engine, a.budget_min, max(gpus, 1),
+                                  a.resume, a.detach)
     if a.dry_run:
         for s in chosen:
             print(f"{s.name}: {' '.join(command(s, a.engine))}")
+        if detached is not None:
+            print(f"{detached.name}: detached: {' '.join(command(detached, a.engine))}")
         for line in left:
             print(f"left {line}")
         return 0
@@ -208,6 +323,18 @@ def main(argv=None) -> int:
             a.out.write_text(json.dumps({"steps": record}, indent=1) + "\n")
         if outcome["status"] == "timed out":
             break
+    else:
+        if detached is not None:
+            record[detached.name] = {**start_detached(detached, a.engine, a.out),
+                                     "commit": commit, "gpu": gpu,
+                                     "command": " ".join(command(detached, a.engine)),
+                                     "at": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                         time.gmtime())}
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps({"steps": record}, indent=1) + "\n")
+            print(f"{detached.name}: started detached (expects {detached.minutes:g} min, "
+                  f"log {record[detached.name]['log']}); call again once it has ended",
+                  flush=True)
     for line in left:
         print(f"left {line}")
     return 1 if failed else 0

@@ -1,11 +1,14 @@
 """scripts/gpu_checks.py: its steps hold every file with GPU tests, and a call runs what its
 record and budget leave (--dry-run, which needs no GPU); without a GPU it refuses in one
-line and writes nothing."""
+line and writes nothing; a step longer than a call runs detached, and is recorded as it
+ended by the calls after it."""
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,13 +81,18 @@ def test_without_a_gpu_it_refuses_in_one_line_and_writes_nothing(tmp_path):
     assert bad.returncode == 2 and "unknown step(s) nonesuch" in bad.stderr
 
 
-def test_a_step_is_recorded_as_it_ended(tmp_path, monkeypatch):
+@pytest.fixture
+def gc(monkeypatch):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_checks", SCRIPT)
-    gc = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_checks", gc)  # its dataclass looks its module up
-    spec.loader.exec_module(gc)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_checks", module)  # its dataclass looks it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_step_is_recorded_as_it_ended(tmp_path, gc):
     lines = "import sys, time; print('\\n'.join(map(str, range(100)))); sys.stdout.flush(); "
 
     def step(code):
@@ -98,3 +106,81 @@ def test_a_step_is_recorded_as_it_ended(tmp_path, monkeypatch):
     # timeout leaves room for the child's start on a loaded machine)
     slow = gc.run_step(step("time.sleep(600)"), tmp_path, 10)
     assert slow["status"] == "timed out" and slow["tail"][-1] == "99"
+
+
+def test_a_step_longer_than_a_call_is_planned_detached(tmp_path):
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "manifest.json").write_text("{}")
+    record = tmp_path / "checks.json"
+    only = "telemetry,density-1-batch-1,density-2-batch-1,multigpu"
+    out = checks("--dry-run", "--detach", "--budget-min", 9, "--out", record, "--engine",
+                 engine, "--only", only)
+    assert out.returncode == 0, out.stderr
+    # the call's own steps, then the first longer than the budget, started detached; the
+    # next long one waits for a later call, and is not said to be too long for any
+    assert names(out.stdout) == ["telemetry", "density-1-batch-1"]
+    assert "density-1-batch-1: detached: " in out.stdout
+    assert "left density-2-batch-1: for the next call" in out.stdout
+    assert not record.exists()
+    bad = checks("--dry-run", "--detach", "--budget-min", 9, "--only", only)
+    assert bad.returncode == 2 and "--detach starts a step longer" in bad.stderr
+    # a call made while a detached step runs runs nothing else and leaves its record as is
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        forked = Path(f"/proc/{sleeper.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        running = {"status": "running", "pid": sleeper.pid, "forked": forked,
+                   "started": time.time(),
+                   "minutes": 11, "log": str(tmp_path / "log"), "rc": str(tmp_path / "rc")}
+        record.write_text(json.dumps({"steps": {"density-1-batch-1": running}}))
+        waits = checks("--dry-run", "--detach", "--resume", "--budget-min", 9, "--out", record,
+                       "--engine", engine, "--only", only)
+        assert waits.returncode == 0 and "this call runs nothing else" in waits.stdout
+        assert names(waits.stdout) == ["density-1-batch-1"]
+        assert json.loads(record.read_text())["steps"]["density-1-batch-1"] == running
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_detached_step_outlives_its_call_and_is_recorded_as_it_ended(tmp_path, gc):
+    out = tmp_path / "checks.json"
+    code = "import sys, time; print('\\n'.join(map(str, range(100)))); sys.stdout.flush(); "
+
+    def wait_ended(entry):
+        for _ in range(600):  # a loaded machine starts Python slowly
+            outcome = gc.collect(entry, time.time())
+            if outcome is not None:
+                return outcome
+            time.sleep(0.1)
+        raise AssertionError("the detached step did not end")
+
+    failing = gc.Step("probe", 1, (gc.PY, "-c", code + "print('{engine}'); sys.exit(3)"))
+    entry = gc.start_detached(failing, tmp_path / "engine", out)
+    assert entry["status"] == "running" and os.getpgid(entry["pid"]) == entry["pid"]
+    outcome = wait_ended(entry)
+    assert outcome["status"] == "failed" and len(outcome["tail"]) == gc.TAIL_LINES
+    assert outcome["tail"][-1] == str(tmp_path / "engine") and outcome["tail"][0] == "61"
+    ended = gc.settle(entry, outcome)
+    assert ended["status"] == "failed" and not {"pid", "forked", "rc"} & set(ended)
+    assert not Path(entry["rc"]).exists() and Path(entry["log"]).parent == tmp_path
+
+    passing = gc.Step("probe", 1, (gc.PY, "-c", code))
+    assert wait_ended(gc.start_detached(passing, tmp_path, out))["status"] == "passed"
+
+    # running while within STALE_FACTOR times its minutes; past that, stopped, with its
+    # own children (its process session)
+    slow = gc.Step("probe", 1, (gc.PY, "-c", code + "time.sleep(600)"))
+    entry = gc.start_detached(slow, tmp_path, out)
+    assert gc.collect(entry, time.time()) is None
+    late = entry["started"] + gc.STALE_FACTOR * slow.minutes * 60 + 1
+    outcome = gc.collect(entry, late)
+    assert outcome["status"] == "timed out"
+    gc.settle(entry, outcome)
+    os.waitpid(entry["pid"], 0)  # its shell is this test's child: reaped here
+    assert gc.collect(entry, time.time())["status"] == "lost"  # gone, with no exit code
+
+    # a record whose pid now belongs to another process (started at another time) is lost
+    other = {**entry, "pid": os.getpid()}
+    assert gc.collect(other, time.time())["status"] == "lost"
+    assert gc.collect({**other, "forked": gc._process(os.getpid())[1]}, time.time()) is None
