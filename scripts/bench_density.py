@@ -42,6 +42,8 @@ from pathlib import Path
 import av
 import numpy as np
 
+from charengine.provenance import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK_P90_LIMIT_S = 1.0  # a session is real time with no stall and its chunk p90 under this
 PACKET_S = 0.02  # the clients' audio packets
@@ -320,7 +322,7 @@ def summary(results: list[dict], engine: str, minutes: float) -> dict:
     by = {c: max((r["n"] for r in results if r["realtime"] and r["scheduler"] == c), default=0)
           for c in dict.fromkeys(r["scheduler"] for r in results)}
     return {"engine": os.path.abspath(engine), "minutes": minutes,
-            "date": time.strftime("%Y-%m-%d"), "chunk_p90_limit_s": CHUNK_P90_LIMIT_S,
+            **provenance(), "chunk_p90_limit_s": CHUNK_P90_LIMIT_S,
             "sessions_realtime": max(held, default=0), "sessions_realtime_by_batch": by,
             "runs": results}
 

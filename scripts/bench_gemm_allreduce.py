@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from charengine.config import preset
 from charengine.engine_format import this_machine
 from charengine.plugins import gemm_allreduce as gar
 from charengine.plugins.fp8_gemm import triton_scaled_mm
+from charengine.provenance import provenance
 
 
 def operands(m, k, n, copies, device):
@@ -128,7 +128,7 @@ def main():
         res = json.loads(Path(out).read_text())
     result = {"preset": args.preset, "tp": args.tp, "world": args.world,
               "shape_mkn": [m, k, n], "us_per_call": res, "calls": args.calls,
-              "reps": args.reps, "machine": this_machine(), "date": time.strftime("%Y-%m-%d")}
+              "reps": args.reps, "machine": this_machine(), **provenance()}
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"gemm_allreduce_{args.preset}_tp{args.tp}_w{args.world}_{args.gpu_tag}.json"
     (args.out / name).write_text(json.dumps(result, indent=1) + "\n")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from charengine.engine_format import this_machine
 from charengine.plugins.cublaslt import Handle, Matmul
 from charengine.plugins.gemm_residual import WORKSPACE_BYTES
 from charengine.timing import Span, median
+from charengine.provenance import provenance
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:
@@ -71,7 +71,7 @@ def main():
     handle = Handle(torch.device("cuda"), WORKSPACE_BYTES)
     g = torch.Generator(device="cuda").manual_seed(0)
     result = {"preset": args.preset, "tp": args.tp, "machine": this_machine(),
-              "date": time.strftime("%Y-%m-%d"), "per_shape": {}}
+              **provenance(), "per_shape": {}}
     with torch.inference_mode():
         act = {k: fp8.quantize_rows(torch.randn(T, K, device="cuda", generator=g))
                for k, (_, K) in shapes.items()}

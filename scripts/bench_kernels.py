@@ -25,6 +25,7 @@ import torch
 from charengine.config import preset
 from charengine.engine_format import this_machine
 from charengine.family import family_of
+from charengine.provenance import provenance
 
 
 def main():
@@ -60,7 +61,7 @@ def main():
                  f"{', '.join(cases.SECTIONS)}")
     dev = torch.device("cuda")
     result = {"preset": args.preset, "family": fam.name, "tp": args.tp,
-              "machine": this_machine(), "date": time.strftime("%Y-%m-%d"),
+              "machine": this_machine(), **provenance(),
               "calls": args.calls, "reps": args.reps}
     with torch.inference_mode():
         parts = cases.sections(cfg, args, dev)

@@ -23,10 +23,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+
+from charengine.provenance import provenance
 
 from bench_density import free_port, serve
 
@@ -85,7 +86,7 @@ def main(argv=None) -> None:
     port, health = free_port(), free_port()
     server = serve(args.engine, n=1, batch=1, port=port, health_port=health)
     url = f"http://127.0.0.1:{port}/"
-    doc = {"engine": os.path.abspath(args.engine), "date": time.strftime("%Y-%m-%d")}
+    doc = {"engine": os.path.abspath(args.engine), **provenance()}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             image, speech = media(Path(tmp))

@@ -47,6 +47,7 @@ from charengine.family import family_of
 from charengine.mapping import Mapping
 from charengine.stepping import Session, Together
 from charengine.timing import Mark, Span, median, percentile
+from charengine.provenance import provenance
 
 # dense tensor-core peaks of an H100/H200 SXM (TFLOP/s)
 DENSE_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}
@@ -487,7 +488,7 @@ def main():
         "build_s": build_s, "session_start_s": start_s,
         "sync_debug_mode_checked": sync_checked,
         "clocks_during_steps": clocks.summary if clocks is not None else None,
-        "machine": this_machine(), "date": time.strftime("%Y-%m-%d"),
+        "machine": this_machine(), **provenance(),
         "diffusion_ms": diffusion, "period_ms": period,
     }
     args.out.mkdir(parents=True, exist_ok=True)

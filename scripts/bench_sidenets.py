@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from charengine.config import preset
 from charengine.family import family_of
 from charengine.timing import cuda_ms, median
+from charengine.provenance import provenance
 
 # the step whose window the audio encoder is timed on: a steady one, its window whole in
 # every preset (livetalk-1.3b's is from chunk 6 on)
@@ -166,7 +166,7 @@ def main():
     if args.out:
         summary = {"preset": spec.name, "side": args.side,
                    "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-                   else "cpu", "date": time.strftime("%Y-%m-%d"), "decoder": results,
+                   else "cpu", **provenance(), "decoder": results,
                    **audio}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=1) + "\n")

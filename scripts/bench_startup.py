@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from charengine.provenance import provenance
+
 VARIANTS = ("engine", "jit")
 READ_BYTES = 1 << 24  # the disk probe's read size
 MB = 1 << 20
@@ -284,7 +286,7 @@ def main():
                                        for x in rs),
             "runs": len(rs)}
     result = {"preset": preset, "target": manifest["target"]["name"], "layout": layout,
-              "gpu": gpu, "date": time.strftime("%Y-%m-%d"), "build_s": build_s,
+              "gpu": gpu, **provenance(), "build_s": build_s,
               "built_with": manifest["built_with"], "cache": args.cache,
               "readahead": args.readahead, "disk_probe": probe, "variants": summary,
               "runs": runs}

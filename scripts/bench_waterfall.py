@@ -29,6 +29,7 @@ from pathlib import Path
 
 from charengine.config import preset
 from charengine.family import family_of
+from charengine.provenance import provenance
 
 PRODUCTION = "production"  # every family's last arm: the config as it is
 GOAL_MS = {"livetalk-1.3b": 105.0}  # diffusion per step: the preset's goal, drawn on the plot
@@ -99,7 +100,7 @@ def summarize(out: Path, preset_name: str, key: str) -> dict:
         arms[arm] = med
     any_run = next(iter(runs.values()))[0]
     summary = {"preset": preset_name, "family": fam.name, "layout": any_run["layout"],
-               "gpu": any_run["gpu"], "date": time.strftime("%Y-%m-%d"),
+               "gpu": any_run["gpu"], **provenance(),
                "step_budget_ms": any_run["step_budget_ms"], "goal_ms": GOAL_MS.get(preset_name),
                "order": list(arms), "arms": arms}
     path = out / f"summary_{key}.json"

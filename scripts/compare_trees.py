@@ -27,8 +27,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from charengine.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("builder", "runtime", "plugins")  # charengine's subpackages a tree may keep apart
@@ -125,8 +126,7 @@ def main(argv=None) -> None:
     ap.add_argument("--set", choices=sorted(SETS), default="gpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    made = provenance()  # "head" in the results: this checkout's commit
     with tempfile.TemporaryDirectory(prefix="compare-trees-") as tmp:
         tmp = Path(tmp)
         base_tree = export_tree(args.base, tmp / "base")
@@ -153,8 +153,8 @@ def main(argv=None) -> None:
         results[name] = {"base": b, "head": h, "ratio": h / b, "base_runs": t["base"],
                          "head_runs": t["head"]}
         print(f"{name}: base {b:.2f}, head {h:.2f}, head / base {h / b:.4f}")
-    doc = {"base": args.base, "head": head, "set": args.set, "runs": args.runs,
-           "date": time.strftime("%Y-%m-%d"), "results": results}
+    doc = {"base": args.base, "head": made["commit"], "set": args.set, "runs": args.runs,
+           **made, "results": results}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")

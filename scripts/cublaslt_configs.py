@@ -23,6 +23,7 @@ import torch
 from charengine import fp8
 from charengine.plugins import cublaslt as lt
 from charengine.timing import cuda_ms, median
+from charengine.provenance import provenance
 
 SHAPES = {"attn": (1536, 1536), "ffn_down": (1536, 8960), "qkv": (4608, 1536),
           "ffn_up": (8960, 1536)}  # (N, K) of each LiveTalk-1.3B linear kind
@@ -129,7 +130,7 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     h = lt.Handle(dev, WORKSPACE)
-    out = {"gpu": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d"),
+    out = {"gpu": torch.cuda.get_device_name(dev), **provenance(),
            "tokens": TOKENS, "shapes": {}}
     for kind, (N, K) in SHAPES.items():
         rows = bench_shape(h, N, K, args.budget_s, dev)

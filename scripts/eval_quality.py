@@ -29,6 +29,7 @@ from charengine.mapping import Mapping
 from charengine.characters.sidenets import PREFIXES, load_side
 from tinychar.synth import clip
 from charengine.characters.weights import load_checkpoint, random_weights
+from charengine.provenance import provenance
 
 HELD_OUT_SEED = 10**6 + 7  # train_tiny.py draws its clips from seed 0 (and vae 10**6 held-out)
 FP32 = Numerics(dtype="float32", fp8_gemm=False, fp8_attention=False)
@@ -90,7 +91,7 @@ def main():
               flush=True)
     result = {
         "checkpoint": str(args.checkpoint), "clips": args.clips, "seconds": args.seconds,
-        "held_out_seed": HELD_OUT_SEED, "date": time.strftime("%Y-%m-%d"),
+        "held_out_seed": HELD_OUT_SEED, **provenance(),
         "lip_sync": {k: {"confidence": bootstrap([r["confidence"] for r in v]),
                          "near": bootstrap([r["near"] for r in v]),
                          "distance": bootstrap([r["distance"] for r in v]),

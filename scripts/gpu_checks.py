@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from charengine import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 TAIL_LINES = 40  # of a step's output kept in --out
 PY = "{python}"  # the interpreter running this script
@@ -116,12 +118,6 @@ STEPS = (
 
 def command(step: Step, engine: Path) -> list[str]:
     return [a.format(python=sys.executable, engine=engine) for a in step.command]
-
-
-def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def plan(steps, record: dict, commit: str, engine: Path, budget_min: float | None, gpus: int,
@@ -289,7 +285,7 @@ def main(argv=None) -> int:
         print(f"{name}: {outcome['status']} in {outcome['seconds']:.0f} s (detached)",
               flush=True)
         a.out.write_text(json.dumps({"steps": record}, indent=1) + "\n")
-    commit = _commit()
+    commit = provenance.commit()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not a.dry_run and gpus == 0:
         print("gpu_checks: needs a CUDA GPU and this machine has none; --list or --dry-run "

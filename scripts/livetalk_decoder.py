@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 from charengine.livetalk.sidenets import load_side, random_side_state
 from charengine.livetalk.spec import PRESETS, LiveTalkSwitches
 from charengine.timing import cuda_ms, median
+from charengine.provenance import provenance
 
 # each arm's decoder switches on (LiveTalkSwitches.DECODER; the rest off)
 ARMS = {"plain": (), "fused": ("vae_fused_norm",), "frames": ("vae_frames_layout",),
@@ -100,7 +100,7 @@ def main():
             side = dec = None  # freed before the next arm loads
             torch.cuda.empty_cache()
     doc = {"preset": spec.name, "gpu": torch.cuda.get_device_name(dev),
-           "date": time.strftime("%Y-%m-%d"), "arms": results}
+           **provenance(), "arms": results}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")

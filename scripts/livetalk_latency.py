@@ -87,6 +87,7 @@ from charengine.runtime.engine import Engine
 from charengine.runtime.live import LiveSession, SpeechBuffer, wait_until
 from charengine.runtime.metrics import Metrics
 from charengine.runtime.worker import Worker
+from charengine.provenance import provenance
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "livetalk"
 FEED_FRAME_S = 0.020  # live audio arrives in frames of 20 ms
@@ -468,7 +469,7 @@ def run(engine_dir: Path, chunks: int, warmup: int | None = None, slack: int = 2
         worker.close()
     return {
         "preset": spec.name, "engine": engine_summary(engine, worker),
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance(),
         "latency_p50_ms": live["latency_ms"]["p50"], "latency_p90_ms": live["latency_ms"]["p90"],
         "capacity_fps": stages.get("capacity_fps"),
         "first_frames_s": live["first_frames_s"], "first_chunk": live["first_chunk"],

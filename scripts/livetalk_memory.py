@@ -13,7 +13,6 @@ Needs a GPU (the allocator's statistics are CUDA's)."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
 import json
 import sys
@@ -23,6 +22,7 @@ import torch
 
 from charengine.runtime.engine import Engine
 from charengine.runtime.worker import Worker
+from charengine.provenance import provenance
 
 MB = 1 << 20
 
@@ -107,7 +107,7 @@ def main() -> int:
         "preset": engine.config.model.name,
         "target": engine.target.name,
         "gpu": torch.cuda.get_device_name(dev),
-        "date": datetime.date.today().isoformat(),
+        **provenance(),
         "allocated_mb_at_ready": torch.cuda.memory_allocated(dev) / MB,
         "peak_allocated_mb_at_ready": torch.cuda.max_memory_allocated(dev) / MB,
         "reserved_mb_at_ready": torch.cuda.memory_reserved(dev) / MB,

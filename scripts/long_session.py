@@ -47,6 +47,7 @@ from charengine.config import preset
 from charengine.family import family, family_of
 from charengine.mapping import Mapping
 from charengine.timing import Span, median, percentile
+from charengine.provenance import provenance
 
 MS_PER_S = 1000.0
 MINUTE_S = 60
@@ -99,7 +100,7 @@ def sessions_of(args):
             args.write_gemm_plan.parent.mkdir(parents=True, exist_ok=True)
             args.write_gemm_plan.write_text(json.dumps(
                 {"preset": cfg.model.name, "arm": args.arm, **measured,
-                 "date": time.strftime("%Y-%m-%d")}, indent=1) + "\n")
+                 **provenance()}, indent=1) + "\n")
             print(json.dumps(measured["plan"]))
             return None, cfg, base, measured["plan"], device
         sessions = {}
@@ -247,7 +248,7 @@ def main():
         "numerics": dataclasses.asdict(cfg.numerics),
         "gemm_plan": {k: str(v) for k, v in plan.items()},
         "setup_s": setup_s, "wall_s": time.perf_counter() - t0,
-        "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+        **provenance(), "torch": torch.__version__,
         "step_ms": ms, "memory_mb": mem,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

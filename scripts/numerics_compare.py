@@ -34,6 +34,7 @@ import torch
 from charengine.config import preset
 from charengine.engine_format import this_machine
 from charengine.family import family_of
+from charengine.provenance import provenance
 
 
 def session_latents(fam, cfg, name, weights, device, rank, inputs):
@@ -115,7 +116,7 @@ def main():
               "gpu": args.gpu_tag, "device": str(device), "steps": args.steps,
               "exclude": args.exclude, "reset_steps": resets, "reference": reference,
               "order": [reference, *arms], "machine": this_machine(),
-              "date": time.strftime("%Y-%m-%d"), "weights_s": weights_s,
+              **provenance(), "weights_s": weights_s,
               "wall_s": sum(walls.values()), "arms": {}}
     for arm in result["order"]:
         err = ((lat[arm] - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).tolist()

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import psutil
 
+from charengine.provenance import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -179,7 +181,7 @@ def main(argv=None) -> None:
     for t in tracebacks:
         print(t, file=sys.stderr)
     doc = {"engine": os.path.abspath(args.engine), "sessions": args.sessions,
-           "batch": args.batch, "seconds": args.seconds, "date": time.strftime("%Y-%m-%d"),
+           "batch": args.batch, "seconds": args.seconds, **provenance(),
            "ready": ready, "waves": waves, "growth": growth(waves), "exit_code": code,
            "tracebacks": tracebacks}
     print(json.dumps({"growth": doc["growth"], "exit_code": code,

@@ -28,8 +28,12 @@ def names(out: str) -> list[str]:
 
 
 def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
+    """The checkout's commit, "+" after it while code outside docs/ is uncommitted."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs").stdout
+    return git("rev-parse", "--short", "HEAD").stdout.strip() + ("+" if dirty.strip() else "")
 
 
 def test_the_steps_run_every_file_with_gpu_tests_once():
