@@ -164,6 +164,17 @@ def run_step(step: Step, engine: Path, timeout_s: float | None) -> dict:
             "tail": out.splitlines()[-TAIL_LINES:]}
 
 
+def save(out: Path, record: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"steps": record}, indent=1) + "\n")
+
+
+def made(step: Step, engine: Path, commit: str, gpu: str) -> dict:
+    """What a step's record says of its run besides its outcome."""
+    return {"commit": commit, "gpu": gpu, "command": " ".join(command(step, engine)),
+            "at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
 def detached_paths(out: Path, step: Step) -> tuple[Path, Path]:
     """A detached step's log and exit-code file, beside --out."""
     stem = out.parent / f"{out.stem}.{step.name}"
@@ -269,7 +280,7 @@ def main(argv=None) -> int:
         print(f"gpu_checks: cannot read {a.out} ({e}); give another --out or fix it",
               file=sys.stderr)
         return 2
-    record = saved.get("steps", {})
+    record, failed = saved.get("steps", {}), 0
     for name, entry in list(record.items()):  # detached steps started by earlier calls
         if entry.get("status") != "running":
             continue
@@ -282,9 +293,10 @@ def main(argv=None) -> int:
                                                  else "a call records it first"), flush=True)
             return 0
         record[name] = settle(entry, outcome)
+        failed += outcome["status"] != "passed"
         print(f"{name}: {outcome['status']} in {outcome['seconds']:.0f} s (detached)",
               flush=True)
-        a.out.write_text(json.dumps({"steps": record}, indent=1) + "\n")
+        save(a.out, record)
     commit = provenance.commit()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not a.dry_run and gpus == 0:
@@ -294,6 +306,9 @@ def main(argv=None) -> int:
     # a dry run on a machine without CUDA plans for one GPU
     chosen, detached, left = plan(steps, record, commit, a.engine, a.budget_min, max(gpus, 1),
                                   a.resume, a.detach)
+    if not (chosen or detached or left):
+        print(f"every step has passed at {commit}")
+        return 1 if failed else 0
     if a.dry_run:
         for s in chosen:
             print(f"{s.name}: {' '.join(command(s, a.engine))}")
@@ -304,30 +319,22 @@ def main(argv=None) -> int:
         return 0
     t0 = time.perf_counter()
     gpu = torch.cuda.get_device_name(0)
-    failed = 0
     for s in chosen:
         left_s = None if a.budget_min is None else a.budget_min * 60 - (time.perf_counter() - t0)
         print(f"{s.name}: running (expects {s.minutes:g} min)", flush=True)
         outcome = run_step(s, a.engine, left_s)
-        record[s.name] = {**outcome, "commit": commit, "gpu": gpu,
-                          "command": " ".join(command(s, a.engine)),
-                          "at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        record[s.name] = {**outcome, **made(s, a.engine, commit, gpu)}
         failed += outcome["status"] != "passed"
         print(f"{s.name}: {outcome['status']} in {outcome['seconds']:.0f} s", flush=True)
         if a.out is not None:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps({"steps": record}, indent=1) + "\n")
+            save(a.out, record)
         if outcome["status"] == "timed out":
             break
     else:
         if detached is not None:
             record[detached.name] = {**start_detached(detached, a.engine, a.out),
-                                     "commit": commit, "gpu": gpu,
-                                     "command": " ".join(command(detached, a.engine)),
-                                     "at": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                         time.gmtime())}
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps({"steps": record}, indent=1) + "\n")
+                                     **made(detached, a.engine, commit, gpu)}
+            save(a.out, record)
             print(f"{detached.name}: started detached (expects {detached.minutes:g} min, "
                   f"log {record[detached.name]['log']}); call again once it has ended",
                   flush=True)

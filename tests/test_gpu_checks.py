@@ -69,6 +69,9 @@ def test_a_call_resumes_after_the_passed_steps_within_its_budget(tmp_path):
         "left density-8-batch-8: expects 11 min, more than --budget-min 9" in short.stdout
     first = checks("--dry-run", "--out", record, "--engine", engine, "--budget-min", 12)
     assert names(first.stdout) == ["engine", "telemetry"]  # without --resume: from the start
+    done = checks("--dry-run", "--resume", "--out", record, "--engine", engine, "--only",
+                  "engine,telemetry")
+    assert done.returncode == 0 and done.stdout.strip() == f"every step has passed at {commit()}"
     (engine / "manifest.json").unlink()  # the engine is gone: built again before its users
     rebuilt = checks("--dry-run", "--resume", "--out", record, "--engine", engine,
                      "--only", "latency")
