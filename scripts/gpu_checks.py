@@ -50,6 +50,7 @@ TAIL_LINES = 40  # of a step's output kept in --out
 PY = "{python}"  # the interpreter running this script
 ENGINE = "{engine}"  # --engine: h200-livetalk with random weights, built by the first step
 DENSITY_SESSIONS = (1, 2, 4, 8)  # each served with single steps and with batches of all
+KILLED_OUTPUT_S = 30.0  # to read a stopped step's last output
 STALE_FACTOR = 3  # a detached step still running at this many times its minutes is stopped
 # a detached step's shell: its command's output to its log, then its exit code to a file
 # written whole (moved into place), so a reader never sees half of one
@@ -151,15 +152,24 @@ def plan(steps, record: dict, commit: str, engine: Path, budget_min: float | Non
 
 
 def run_step(step: Step, engine: Path, timeout_s: float | None) -> dict:
+    """Runs the step in a process session of its own: at its timeout the whole session is
+    stopped (a script's servers and rank processes too, which would otherwise hold the GPU
+    under the steps after it). Its output and error interleaved, as a reader saw them."""
     t0 = time.perf_counter()
+    p = subprocess.Popen(command(step, engine), cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                         errors="replace", start_new_session=True)
     try:
-        p = subprocess.run(command(step, engine), cwd=ROOT, capture_output=True, text=True,
-                           timeout=timeout_s)
-        status, out = ("passed" if p.returncode == 0 else "failed"), p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
+        out, _ = p.communicate(timeout=timeout_s)
+        status = "passed" if p.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired:
         status = "timed out"
-        out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                      for x in (e.stdout, e.stderr))
+        os.killpg(p.pid, signal.SIGKILL)
+        try:  # what it wrote before; a process that left the session may hold the pipe
+            out, _ = p.communicate(timeout=KILLED_OUTPUT_S)
+        except subprocess.TimeoutExpired:
+            out = ""
+            p.wait()
     return {"status": status, "seconds": round(time.perf_counter() - t0, 1),
             "tail": out.splitlines()[-TAIL_LINES:]}
 

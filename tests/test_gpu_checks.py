@@ -113,6 +113,21 @@ def test_a_step_is_recorded_as_it_ended(tmp_path, gc):
     # timeout leaves room for the child's start on a loaded machine)
     slow = gc.run_step(step("time.sleep(600)"), tmp_path, 10)
     assert slow["status"] == "timed out" and slow["tail"][-1] == "99"
+    # a step's own children (a script's server) are stopped with it
+    spawns = step("import subprocess; child = subprocess.Popen(['sleep', '600']); "
+                  "print('child', child.pid, flush=True); time.sleep(600)")
+    spawned = gc.run_step(spawns, tmp_path, 10)
+    assert spawned["status"] == "timed out" and spawned["tail"][-1].startswith("child ")
+    child = int(spawned["tail"][-1].split()[1])
+    def gone():
+        state = gc._process(child)
+        return state is None or state[0] == "Z"  # a zombie until whoever inherited it reaps
+
+    for _ in range(100):
+        if gone():
+            break
+        time.sleep(0.1)
+    assert gone()
 
 
 def test_a_step_longer_than_a_call_is_planned_detached(tmp_path):
