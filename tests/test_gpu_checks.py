@@ -45,6 +45,23 @@ def test_the_steps_run_every_file_with_gpu_tests_once():
     assert len(marked) >= 10 and sorted(run) == marked
 
 
+def test_every_flag_a_step_gives_its_script_is_one_the_script_takes():
+    """The steps run where no GPU is to catch a renamed flag: each script's --help here."""
+    listed = checks("--list").stdout.splitlines()
+    commands = [line.split("  ", 1)[1].split() for line in listed if " scripts/" in line]
+    assert len(commands) >= 15
+    helps = {}
+    for argv in commands:
+        script = next(a for a in argv if a.startswith("scripts/"))
+        if script not in helps:
+            h = subprocess.run([sys.executable, script, "--help"], cwd=ROOT,
+                               capture_output=True, text=True)
+            assert h.returncode == 0, h.stderr
+            helps[script] = set(re.findall(r"--[\w-]+", h.stdout))
+        flags = {a for a in argv if a.startswith("--")}
+        assert flags <= helps[script], (script, sorted(flags - helps[script]))
+
+
 def test_a_call_resumes_after_the_passed_steps_within_its_budget(tmp_path):
     engine = tmp_path / "engine"
     engine.mkdir()
