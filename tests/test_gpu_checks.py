@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from charengine.builder.build_config import find_target
+from charengine.family import all_presets
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_checks.py"
 
@@ -46,7 +49,8 @@ def test_the_steps_run_every_file_with_gpu_tests_once():
 
 
 def test_every_flag_a_step_gives_its_script_is_one_the_script_takes():
-    """The steps run where no GPU is to catch a renamed flag: each script's --help here."""
+    """The steps run where no GPU is to catch a renamed flag or preset: each script's --help
+    here, and the presets and the target the steps name."""
     listed = checks("--list").stdout.splitlines()
     commands = [line.split("  ", 1)[1].split() for line in listed if " scripts/" in line]
     assert len(commands) >= 15
@@ -60,6 +64,11 @@ def test_every_flag_a_step_gives_its_script_is_one_the_script_takes():
             helps[script] = set(re.findall(r"--[\w-]+", h.stdout))
         flags = {a for a in argv if a.startswith("--")}
         assert flags <= helps[script], (script, sorted(flags - helps[script]))
+        named = dict(zip(argv, argv[1:]))
+        if "--preset" in named:
+            assert named["--preset"] in all_presets(), (script, named["--preset"])
+    engine = checks("--list", "--only", "engine").stdout.split()
+    find_target(engine[engine.index("--target") + 1])  # the target the engine step builds
 
 
 def test_a_call_resumes_after_the_passed_steps_within_its_budget(tmp_path):
