@@ -52,6 +52,7 @@ TURN_S, PAUSE_S = 6.0, 3.0  # a turn of speech, then silence
 BARGE_IN_EVERY = 3  # every third turn is interrupted halfway
 STAGGER_S = 2.0  # between one client's join and the next's
 READY_TIMEOUT_S = 600.0
+STOP_GRACE_S = 60.0  # a server's drain after SIGTERM, before it is killed
 
 
 def free_port() -> int:
@@ -265,6 +266,18 @@ def serve(engine: str, n: int, batch: int, port: int, health_port: int,
     raise SystemExit(f"charrun --sessions {n} was not ready in {READY_TIMEOUT_S:.0f} s")
 
 
+def stop(p: subprocess.Popen) -> int:
+    """Stops a server as an orchestrator does: SIGTERM, SIGKILL if it has not exited within
+    STOP_GRACE_S (no server outlives its run to hold the GPU under the next); its exit code
+    (negative: the signal that ended it)."""
+    p.terminate()
+    try:
+        return p.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return p.wait()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -302,8 +315,7 @@ def main(argv=None) -> None:
                 r = asyncio.run(load(f"http://127.0.0.1:{port}", n, args.minutes * 60,
                                      f"http://127.0.0.1:{health}", server.pid))
             finally:
-                server.terminate()
-                server.wait(60)
+                stop(server)
             r["batch"], r["scheduler"] = batch, choice
             results.append(r)
             report(r)

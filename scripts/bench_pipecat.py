@@ -29,7 +29,7 @@ import numpy as np
 
 from charengine.provenance import provenance
 
-from bench_density import free_port, serve
+from bench_density import free_port, serve, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEECH_S = 4.0  # each turn: a procedural speech clip of this long
@@ -105,8 +105,7 @@ def main(argv=None) -> None:
                                "max_s": max((t for t in times if t is not None), default=None)}
             print(json.dumps({"barge_in": doc["barge_in"]}), flush=True)
     finally:
-        server.terminate()
-        server.wait(60)
+        stop(server)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")

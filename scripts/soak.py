@@ -39,7 +39,7 @@ from charengine.provenance import provenance
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_density import Client, free_port, gpu_memory_mb, http, serve  # noqa: E402
+from bench_density import Client, free_port, gpu_memory_mb, http, serve, stop  # noqa: E402
 
 ENDINGS = ("full", "stop", "vanish", "barge-in")
 SETTLE_S = 60.0  # the longest a wave's sessions may take to be gone after its clients end
@@ -173,8 +173,7 @@ def main(argv=None) -> None:
                               "refused": [x["refused"] for x in sessions if x["refused"]]}),
                   flush=True)
     finally:
-        server.terminate()
-        code = server.wait(60)
+        code = stop(server)
         log.seek(0)
         text = log.read()
     tracebacks = excerpts(text)
