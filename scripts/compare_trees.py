@@ -9,6 +9,10 @@ within one sitting.
         --out docs/results/compare_8a2843f_h200.json                     # one H200
     python scripts/compare_trees.py --base 8a2843f --runs 2 --set cpu   # the script's own check
 
+Where this checkout has no git history, --base takes a directory holding the base tree,
+exported where the history is (`mkdir DIR && git archive 8a2843f | tar -x -C DIR`); the
+results then name the directory as the base.
+
 The measurements (`SETS`): on a GPU the characters-57b TP-3 rank-0 slice's production step
 (scripts/bench_session.py, in memory) and livetalk-1.3b's production chunk through an engine
 each tree builds (charbuild --target h200-livetalk --random-weights, then
@@ -33,6 +37,7 @@ from charengine.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("builder", "runtime", "plugins")  # charengine's subpackages a tree may keep apart
+NOT_TREE = (".git", ".venv", "__pycache__", "engines")  # left out of a --base directory's copy
 
 # name -> (engine target to build per tree or None, the command, the JSON key of its figure)
 SETS = {
@@ -63,13 +68,24 @@ SETS = {
 
 
 def export_tree(rev: str, into: Path) -> Path:
-    """`rev`'s files under into/tree, and into/site: an import path where charengine holds
-    its subpackages wherever the tree keeps them."""
+    """`rev`'s files (a commit, or a directory holding its exported tree) under into/tree,
+    and into/site: an import path where charengine holds its subpackages wherever the tree
+    keeps them."""
     tree, site = into / "tree", into / "site"
-    tree.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    if Path(rev).is_dir():
+        shutil.copytree(rev, tree, symlinks=True, ignore=shutil.ignore_patterns(*NOT_TREE))
+    else:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True)
+        if archive.returncode != 0:
+            why = (archive.stderr.decode(errors="replace").strip().splitlines() or ["?"])[0]
+            raise SystemExit(f"compare_trees: cannot export {rev} from this checkout ({why}); "
+                             f"export it where its history is (mkdir DIR && git archive {rev} "
+                             "| tar -x -C DIR) and give --base DIR")
+        tree.mkdir(parents=True)
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    if not (tree / "charengine").is_dir():
+        raise SystemExit(f"compare_trees: {rev} holds no charengine/: not a tree of this "
+                         "project")
     site.mkdir()
     (site / "charengine").mkdir()
     for entry in (tree / "charengine").iterdir():
@@ -121,7 +137,9 @@ def run_once(tree: Path, site: Path, cmd: list[str], engine: Path | None, key: s
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", required=True, help="the commit to compare this checkout with")
+    ap.add_argument("--base", required=True,
+                    help="the commit to compare this checkout with, or a directory holding "
+                         "its exported tree")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--set", choices=sorted(SETS), default="gpu")
     ap.add_argument("--out", type=Path)
