@@ -146,7 +146,7 @@ class Checkpoint(Protocol):
     def load_checkpoint(self, path, spec) -> tuple[dict, dict]:
         """(DiT state, side-network state) from a checkpoint; one line naming a bad tensor."""
 
-    def random_weights(self, spec, seed: int, device) -> dict:
+    def random_weights(self, spec, seed: int, device="cpu") -> dict:
         """A lazily made full state of the exact shapes (benchmarks, the tiny engines)."""
 
     def bench_weights(self, spec, seed: int, device) -> dict:

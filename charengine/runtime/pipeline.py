@@ -100,19 +100,25 @@ def _unwrap(times: StepTimes, part: str, out):
     return out
 
 
+# what a stage gives: its output, or its output and its work's busy time
+Staged = torch.Tensor | Timed
+
+
 class Stopped(Exception):
     pass
 
 
 class Pipeline:
-    def __init__(self, encode_audio: Callable[[int], torch.Tensor],
-                 diffuse: Callable[[int, torch.Tensor], torch.Tensor],
-                 decode: Callable[[torch.Tensor], torch.Tensor], poll_s: float = 0.05,
-                 decode_pieces: Callable[[torch.Tensor], Iterator[torch.Tensor]] | None = None):
+    def __init__(self, encode_audio: Callable[[int], Staged | tuple[Staged, object]],
+                 diffuse: Callable[[int, torch.Tensor], Staged],
+                 decode: Callable[[Staged], Staged], poll_s: float = 0.05,
+                 decode_pieces: Callable[[Staged], Iterator[Staged]] | None = None):
         """encode_audio(i) returns the step's audio features, or (features, meta): meta
-        rides along with the step to the sink (sink(i, frames, meta) then). decode_pieces
-        (optional): the step's frames from its latent in pieces, in order, for live mode
-        (without it live mode hands on each step's frames whole, from `decode`)."""
+        rides along with the step to the sink (sink(i, frames, meta) then). diffuse(i,
+        features) gives the step's latent, which `decode` takes as diffuse gave it (a Timed
+        whole: the decoder waits for its work's end). decode_pieces (optional): the step's
+        frames from its latent in pieces, in order, for live mode (without it live mode
+        hands on each step's frames whole, from `decode`)."""
         self.encode_audio, self.diffuse, self.decode = encode_audio, diffuse, decode
         self.decode_pieces = decode_pieces
         self.poll_s = poll_s
