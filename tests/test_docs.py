@@ -1,5 +1,6 @@
-"""The documents a newcomer reads: the README lists every script there is, and nothing in
-the repository's documents or code cites a document outside it."""
+"""The documents a newcomer reads: the README lists every script there is and every module
+and folder at charengine/'s top, and nothing in the repository's documents or code cites a
+document outside it."""
 
 import re
 from pathlib import Path
@@ -11,6 +12,16 @@ def test_the_readme_lists_every_script():
     readme = (ROOT / "README.md").read_text()
     scripts = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
     assert scripts and [s for s in scripts if f"`{s}`" not in readme] == []
+
+
+def test_the_readme_lists_what_charengine_holds():
+    readme = (ROOT / "README.md").read_text()
+    top = ROOT / "charengine"
+    modules = sorted(p.name for p in top.glob("*.py") if p.name != "__init__.py")
+    folders = sorted(p.name for p in top.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert len(modules) > 10 and [m for m in modules if f"`{m}`" not in readme] == []
+    assert len(folders) > 5 and [f for f in folders if f"`charengine/{f}/`" not in readme
+                                 and f"`{f}/`" not in readme] == []
 
 
 def test_nothing_cites_a_document_outside_the_repository():
