@@ -13,6 +13,8 @@ this commit. A step whose expected minutes do not fit what is left of --budget-m
 started (the next call takes it); one that outruns the budget is stopped and recorded as
 timed out. The engine step runs first whenever a step needs --engine and it holds no
 engine. Steps that need more GPUs than the machine has are left for one that has them.
+--base gives the compare-trees step a directory of the base commit's tree where this
+checkout travels without its history.
 --dry-run prints what a call would run (no GPU needed).
 
 A step longer than any one call (a density run of 10 minutes where a call may take 9) needs
@@ -49,6 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TAIL_LINES = 40  # of a step's output kept in --out
 PY = "{python}"  # the interpreter running this script
 ENGINE = "{engine}"  # --engine: h200-livetalk with random weights, built by the first step
+BASE = "{base}"  # --base: the commit (or a directory of its tree) compare_trees measures against
+BASE_COMMIT = "8a2843f"  # the tree before the second family was reworked
 DENSITY_SESSIONS = (1, 2, 4, 8)  # each served with single steps and with batches of all
 KILLED_OUTPUT_S = 30.0  # to read a stopped step's last output
 STALE_FACTOR = 3  # a detached step still running at this many times its minutes is stopped
@@ -91,8 +95,8 @@ STEPS = (
     Step("models", 6, _pytest("test_gpu.py", "test_livetalk_model.py", "test_livetalk_vae.py",
                               "test_livetalk_audio.py", "test_startup.py")),
     Step("batches", 3, _pytest("test_batches.py")),
-    Step("compare-trees", 9, _script("compare_trees.py", "--base", "8a2843f", "--runs", "3",
-                                     "--out", "docs/results/compare_8a2843f_h200.json")),
+    Step("compare-trees", 9, _script("compare_trees.py", "--base", BASE, "--runs", "3",
+                                     "--out", f"docs/results/compare_{BASE_COMMIT}_h200.json")),
     Step("session-batches", 3, _script("bench_session.py", "--engine", ENGINE, "--steps", "40",
                                        "--batches", "2,4,8")),
     Step("kernels-livetalk", 3, _script("bench_kernels.py", "--preset", "livetalk-1.3b")),
@@ -117,8 +121,16 @@ STEPS = (
 )
 
 
-def command(step: Step, engine: Path) -> list[str]:
-    return [a.format(python=sys.executable, engine=engine) for a in step.command]
+@dataclass(frozen=True)
+class Places:
+    """What a call fills the steps' commands with."""
+    engine: Path
+    base: str = BASE_COMMIT
+
+
+def command(step: Step, places: Places) -> list[str]:
+    return [a.format(python=sys.executable, engine=places.engine, base=places.base)
+            for a in step.command]
 
 
 def plan(steps, record: dict, commit: str, engine: Path, budget_min: float | None, gpus: int,
@@ -151,12 +163,12 @@ def plan(steps, record: dict, commit: str, engine: Path, budget_min: float | Non
     return chosen, detached, left
 
 
-def run_step(step: Step, engine: Path, timeout_s: float | None) -> dict:
+def run_step(step: Step, places: Places, timeout_s: float | None) -> dict:
     """Runs the step in a process session of its own: at its timeout the whole session is
     stopped (a script's servers and rank processes too, which would otherwise hold the GPU
     under the steps after it). Its output and error interleaved, as a reader saw them."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(command(step, engine), cwd=ROOT, stdout=subprocess.PIPE,
+    p = subprocess.Popen(command(step, places), cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                          errors="replace", start_new_session=True)
     try:
@@ -179,9 +191,9 @@ def save(out: Path, record: dict) -> None:
     out.write_text(json.dumps({"steps": record}, indent=1) + "\n")
 
 
-def made(step: Step, engine: Path, commit: str, gpu: str) -> dict:
+def made(step: Step, places: Places, commit: str, gpu: str) -> dict:
     """What a step's record says of its run besides its outcome."""
-    return {"commit": commit, "gpu": gpu, "command": " ".join(command(step, engine)),
+    return {"commit": commit, "gpu": gpu, "command": " ".join(command(step, places)),
             "at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
@@ -191,14 +203,14 @@ def detached_paths(out: Path, step: Step) -> tuple[Path, Path]:
     return stem.with_name(stem.name + ".log"), stem.with_name(stem.name + ".rc")
 
 
-def start_detached(step: Step, engine: Path, out: Path) -> dict:
+def start_detached(step: Step, places: Places, out: Path) -> dict:
     """Starts the step in a process session of its own, which outlives this call; the record
     of it as running."""
     log, rc = detached_paths(out, step)
     rc.unlink(missing_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
-        p = subprocess.Popen(["sh", "-c", DETACHED_SHELL, str(rc), *command(step, engine)],
+        p = subprocess.Popen(["sh", "-c", DETACHED_SHELL, str(rc), *command(step, places)],
                              cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True)
     return {"status": "running", "pid": p.pid, "forked": _process(p.pid)[1],
@@ -256,6 +268,9 @@ def settle(entry: dict, outcome: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", type=Path, default=Path("/tmp/lt"))
+    ap.add_argument("--base", default=BASE_COMMIT,
+                    help="the base of the compare-trees step: a commit, or a directory of its "
+                         "exported tree where this checkout has no history")
     ap.add_argument("--out", type=Path, help="the steps' outcomes (JSON), written after each")
     ap.add_argument("--resume", action="store_true", help="skip the steps --out has passed")
     ap.add_argument("--budget-min", type=float, help="minutes this call may take")
@@ -266,6 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print every step and exit")
     ap.add_argument("--dry-run", action="store_true", help="print what would run and exit")
     a = ap.parse_args(argv)
+    places = Places(a.engine, a.base)
     steps = STEPS
     if a.only:
         names = a.only.split(",")
@@ -276,7 +292,7 @@ def main(argv=None) -> int:
     if a.list:
         for s in steps:
             gpus = f", {s.gpus} GPUs" if s.gpus > 1 else ""
-            print(f"{s.name:20s} {s.minutes:4g} min{gpus}  {' '.join(command(s, a.engine))}")
+            print(f"{s.name:20s} {s.minutes:4g} min{gpus}  {' '.join(command(s, places))}")
         return 0
     if a.resume and a.out is None:
         ap.error("--resume reads the outcomes of --out: give --out")
@@ -321,9 +337,9 @@ def main(argv=None) -> int:
         return 1 if failed else 0
     if a.dry_run:
         for s in chosen:
-            print(f"{s.name}: {' '.join(command(s, a.engine))}")
+            print(f"{s.name}: {' '.join(command(s, places))}")
         if detached is not None:
-            print(f"{detached.name}: detached: {' '.join(command(detached, a.engine))}")
+            print(f"{detached.name}: detached: {' '.join(command(detached, places))}")
         for line in left:
             print(f"left {line}")
         return 0
@@ -332,8 +348,8 @@ def main(argv=None) -> int:
     for s in chosen:
         left_s = None if a.budget_min is None else a.budget_min * 60 - (time.perf_counter() - t0)
         print(f"{s.name}: running (expects {s.minutes:g} min)", flush=True)
-        outcome = run_step(s, a.engine, left_s)
-        record[s.name] = {**outcome, **made(s, a.engine, commit, gpu)}
+        outcome = run_step(s, places, left_s)
+        record[s.name] = {**outcome, **made(s, places, commit, gpu)}
         failed += outcome["status"] != "passed"
         print(f"{s.name}: {outcome['status']} in {outcome['seconds']:.0f} s", flush=True)
         if a.out is not None:
@@ -342,8 +358,8 @@ def main(argv=None) -> int:
             break
     else:
         if detached is not None:
-            record[detached.name] = {**start_detached(detached, a.engine, a.out),
-                                     **made(detached, a.engine, commit, gpu)}
+            record[detached.name] = {**start_detached(detached, places, a.out),
+                                     **made(detached, places, commit, gpu)}
             save(a.out, record)
             print(f"{detached.name}: started detached (expects {detached.minutes:g} min, "
                   f"log {record[detached.name]['log']}); call again once it has ended",

@@ -67,6 +67,11 @@ def test_every_flag_a_step_gives_its_script_is_one_the_script_takes():
         named = dict(zip(argv, argv[1:]))
         if "--preset" in named:
             assert named["--preset"] in all_presets(), (script, named["--preset"])
+    # the base compare_trees measures against: a commit, or a directory of its tree
+    default, given = (checks("--list", "--only", "compare-trees", *extra).stdout.split()
+                      for extra in ((), ("--base", "/srv/base-tree")))
+    assert default[default.index("--base") + 1] == "8a2843f"
+    assert given[given.index("--base") + 1] == "/srv/base-tree"
     engine = checks("--list", "--only", "engine").stdout.split()
     find_target(engine[engine.index("--target") + 1])  # the target the engine step builds
 
@@ -131,18 +136,18 @@ def test_a_step_is_recorded_as_it_ended(tmp_path, gc):
     def step(code):
         return gc.Step("probe", 1, (gc.PY, "-c", lines + code))
 
-    ok = gc.run_step(step("print('{engine}' in sys.argv)"), tmp_path, None)
+    ok = gc.run_step(step("print('{engine}' in sys.argv)"), gc.Places(tmp_path), None)
     assert ok["status"] == "passed" and len(ok["tail"]) == gc.TAIL_LINES
     assert ok["tail"][-1] == "False" and ok["tail"][0] == str(100 - gc.TAIL_LINES + 1)
-    assert gc.run_step(step("sys.exit(3)"), tmp_path, None)["status"] == "failed"
+    assert gc.run_step(step("sys.exit(3)"), gc.Places(tmp_path), None)["status"] == "failed"
     # stopped at its timeout, long before its sleep ends; the output it gave is kept (the
     # timeout leaves room for the child's start on a loaded machine)
-    slow = gc.run_step(step("time.sleep(600)"), tmp_path, 10)
+    slow = gc.run_step(step("time.sleep(600)"), gc.Places(tmp_path), 10)
     assert slow["status"] == "timed out" and slow["tail"][-1] == "99"
     # a step's own children (a script's server) are stopped with it
     spawns = step("import subprocess; child = subprocess.Popen(['sleep', '600']); "
                   "print('child', child.pid, flush=True); time.sleep(600)")
-    spawned = gc.run_step(spawns, tmp_path, 10)
+    spawned = gc.run_step(spawns, gc.Places(tmp_path), 10)
     assert spawned["status"] == "timed out" and spawned["tail"][-1].startswith("child ")
     child = int(spawned["tail"][-1].split()[1])
     def gone():
@@ -204,7 +209,7 @@ def test_a_detached_step_outlives_its_call_and_is_recorded_as_it_ended(tmp_path,
         raise AssertionError("the detached step did not end")
 
     failing = gc.Step("probe", 1, (gc.PY, "-c", code + "print('{engine}'); sys.exit(3)"))
-    entry = gc.start_detached(failing, tmp_path / "engine", out)
+    entry = gc.start_detached(failing, gc.Places(tmp_path / "engine"), out)
     assert entry["status"] == "running" and os.getpgid(entry["pid"]) == entry["pid"]
     outcome = wait_ended(entry)
     assert outcome["status"] == "failed" and len(outcome["tail"]) == gc.TAIL_LINES
@@ -214,12 +219,12 @@ def test_a_detached_step_outlives_its_call_and_is_recorded_as_it_ended(tmp_path,
     assert not Path(entry["rc"]).exists() and Path(entry["log"]).parent == tmp_path
 
     passing = gc.Step("probe", 1, (gc.PY, "-c", code))
-    assert wait_ended(gc.start_detached(passing, tmp_path, out))["status"] == "passed"
+    assert wait_ended(gc.start_detached(passing, gc.Places(tmp_path), out))["status"] == "passed"
 
     # running while within STALE_FACTOR times its minutes; past that, stopped, with its
     # own children (its process session)
     slow = gc.Step("probe", 1, (gc.PY, "-c", code + "time.sleep(600)"))
-    entry = gc.start_detached(slow, tmp_path, out)
+    entry = gc.start_detached(slow, gc.Places(tmp_path), out)
     assert gc.collect(entry, time.time()) is None
     late = entry["started"] + gc.STALE_FACTOR * slow.minutes * 60 + 1
     outcome = gc.collect(entry, late)
