@@ -23,9 +23,9 @@ call's own steps have ended, in a process session of its own that outlives the c
 output to a log beside --out; the call returns. Each later call first looks at it: while it
 runs, the call runs nothing else (the GPU is its) and says so; once it has ended, its exit
 code and the tail of its log are recorded as any step's, and the call goes on. One that
-ended without an exit code (its machine restarted) is recorded as lost and runs again; one
-still running at STALE_FACTOR times its expected minutes is stopped and recorded as timed
-out.
+ended without an exit code (killed, or its machine restarted) is recorded as lost and runs
+again; one still running at STALE_FACTOR times its expected minutes is stopped and recorded
+as timed out.
 
     python scripts/gpu_checks.py --engine /tmp/lt --budget-min 9 --resume --detach \\
         --out docs/results/gpu_checks_h200.json          # again until all have run
@@ -244,7 +244,7 @@ def collect(entry: dict, now: float) -> dict | None:
         status = "passed" if rc.read_text().strip() == "0" else "failed"
         ended = rc.stat().st_mtime
     elif not _alive(entry):
-        status, ended = "lost", now  # ended with no exit code: its machine restarted
+        status, ended = "lost", now  # gone with no exit code: killed, or a restart
     elif now - entry["started"] > STALE_FACTOR * entry["minutes"] * 60:
         status, ended = "timed out", now
     else:
