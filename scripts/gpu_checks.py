@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from charengine import provenance
@@ -199,8 +200,8 @@ def made(step: Step, places: Places, commit: str, gpu: str) -> dict:
 
 def detached_paths(out: Path, step: Step) -> tuple[Path, Path]:
     """A detached step's log and exit-code file, beside --out."""
-    stem = out.parent / f"{out.stem}.{step.name}"
-    return stem.with_name(stem.name + ".log"), stem.with_name(stem.name + ".rc")
+    return (out.with_name(f"{out.stem}.{step.name}.log"),
+            out.with_name(f"{out.stem}.{step.name}.rc"))
 
 
 def start_detached(step: Step, places: Places, out: Path) -> dict:
@@ -213,26 +214,18 @@ def start_detached(step: Step, places: Places, out: Path) -> dict:
         p = subprocess.Popen(["sh", "-c", DETACHED_SHELL, str(rc), *command(step, places)],
                              cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True)
-    return {"status": "running", "pid": p.pid, "forked": _process(p.pid)[1],
+    return {"status": "running", "pid": p.pid, "created": psutil.Process(p.pid).create_time(),
             "started": time.time(), "minutes": step.minutes, "log": str(log), "rc": str(rc)}
 
 
-def _process(pid: int) -> tuple[str, str] | None:
-    """A process's state letter and start time (clock ticks after boot, fixed at its fork),
-    or None if there is none with this pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (name) "
-    return fields[0], fields[19]
-
-
 def _alive(entry: dict) -> bool:
-    """Whether the detached shell still runs: its pid is there, not a zombie, and started
-    when it did (not a pid reused since)."""
-    now = _process(entry["pid"])
-    return now is not None and now[0] != "Z" and now[1] == entry["forked"]
+    """Whether the detached shell still runs: its pid is there, not a zombie, and was created
+    when it was (not a pid reused since)."""
+    try:
+        p = psutil.Process(entry["pid"])
+        return p.create_time() == entry["created"] and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def collect(entry: dict, now: float) -> dict | None:
@@ -261,7 +254,7 @@ def settle(entry: dict, outcome: dict) -> dict:
         except ProcessLookupError:
             pass  # it ended since
     Path(entry["rc"]).unlink(missing_ok=True)
-    return {**{k: v for k, v in entry.items() if k not in ("pid", "forked", "rc", "started")},
+    return {**{k: v for k, v in entry.items() if k not in ("pid", "created", "rc", "started")},
             **outcome}
 
 

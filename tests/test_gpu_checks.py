@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -151,8 +152,10 @@ def test_a_step_is_recorded_as_it_ended(tmp_path, gc):
     assert spawned["status"] == "timed out" and spawned["tail"][-1].startswith("child ")
     child = int(spawned["tail"][-1].split()[1])
     def gone():
-        state = gc._process(child)
-        return state is None or state[0] == "Z"  # a zombie until whoever inherited it reaps
+        try:  # a zombie until whoever inherited it reaps it
+            return psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
 
     for _ in range(100):
         if gone():
@@ -181,8 +184,8 @@ def test_a_step_longer_than_a_call_is_planned_detached(tmp_path):
     # a call made while a detached step runs runs nothing else and leaves its record as is
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
-        forked = Path(f"/proc/{sleeper.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-        running = {"status": "running", "pid": sleeper.pid, "forked": forked,
+        running = {"status": "running", "pid": sleeper.pid,
+                   "created": psutil.Process(sleeper.pid).create_time(),
                    "started": time.time(),
                    "minutes": 11, "log": str(tmp_path / "log"), "rc": str(tmp_path / "rc")}
         record.write_text(json.dumps({"steps": {"density-1-batch-1": running}}))
@@ -215,7 +218,7 @@ def test_a_detached_step_outlives_its_call_and_is_recorded_as_it_ended(tmp_path,
     assert outcome["status"] == "failed" and len(outcome["tail"]) == gc.TAIL_LINES
     assert outcome["tail"][-1] == str(tmp_path / "engine") and outcome["tail"][0] == "61"
     ended = gc.settle(entry, outcome)
-    assert ended["status"] == "failed" and not {"pid", "forked", "rc"} & set(ended)
+    assert ended["status"] == "failed" and not {"pid", "created", "rc"} & set(ended)
     assert not Path(entry["rc"]).exists() and Path(entry["log"]).parent == tmp_path
 
     passing = gc.Step("probe", 1, (gc.PY, "-c", code))
@@ -236,4 +239,5 @@ def test_a_detached_step_outlives_its_call_and_is_recorded_as_it_ended(tmp_path,
     # a record whose pid now belongs to another process (started at another time) is lost
     other = {**entry, "pid": os.getpid()}
     assert gc.collect(other, time.time())["status"] == "lost"
-    assert gc.collect({**other, "forked": gc._process(os.getpid())[1]}, time.time()) is None
+    mine = psutil.Process(os.getpid()).create_time()
+    assert gc.collect({**other, "created": mine}, time.time()) is None
