@@ -17,6 +17,7 @@ import torch
 
 from charengine.builder.build_config import find_target
 from charengine.family import all_presets
+from charengine.provenance import commit
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_checks.py"
@@ -29,15 +30,6 @@ def checks(*args):
 
 def names(out: str) -> list[str]:
     return [line.split(":")[0] for line in out.splitlines() if not line.startswith("left ")]
-
-
-def commit() -> str:
-    """The checkout's commit, "+" after it while code outside docs/ is uncommitted."""
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs").stdout
-    return git("rev-parse", "--short", "HEAD").stdout.strip() + ("+" if dirty.strip() else "")
 
 
 def test_the_steps_run_every_file_with_gpu_tests_once():
