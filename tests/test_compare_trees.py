@@ -2,7 +2,6 @@
 directory holding the tree (where a checkout travels without its history), imported through
 a site of links; a base it cannot use is one line naming the way out."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,13 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def ct(monkeypatch):
-    spec = importlib.util.spec_from_file_location("compare_trees",
-                                                  ROOT / "scripts" / "compare_trees.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "compare_trees", module)
-    spec.loader.exec_module(module)
-    return module
+def ct(load_script):
+    return load_script("compare_trees")
 
 
 def imports_from(site: Path) -> str:

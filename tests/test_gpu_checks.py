@@ -113,14 +113,8 @@ def test_without_a_gpu_it_refuses_in_one_line_and_writes_nothing(tmp_path):
 
 
 @pytest.fixture
-def gc(monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_checks", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_checks", module)  # its dataclass looks it up
-    spec.loader.exec_module(module)
-    return module
+def gc(load_script):
+    return load_script("gpu_checks")
 
 
 def test_a_step_is_recorded_as_it_ended(tmp_path, gc):

@@ -3,22 +3,11 @@ fed in 20 ms frames, every measured chunk's latency from its last audio frame to
 frame at the sink (just in time: under a chunk), the first frames' time, and the results
 document's figures."""
 
-import importlib.util
 import math
-import sys
 
 import pytest
 
-from engines import ROOT, build_target
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("livetalk_latency",
-                                                  ROOT / "scripts" / "livetalk_latency.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+from engines import build_target
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +15,8 @@ def engine_dir(tmp_path_factory):
     return build_target(tmp_path_factory.mktemp("lt"), "cpu-tiny-livetalk")
 
 
-def test_latency_per_chunk_is_measured_for_each_chunk(engine_dir):
-    lat = _script()
+def test_latency_per_chunk_is_measured_for_each_chunk(engine_dir, load_script):
+    lat = load_script("livetalk_latency")
     doc = lat.run(engine_dir, chunks=3, warmup=1, unpaced=2, decode_reps=1)
     assert doc["preset"] == "tiny-livetalk" and doc["chunks"] == 3
     rows = doc["per_chunk"]
@@ -75,13 +64,14 @@ def test_latency_per_chunk_is_measured_for_each_chunk(engine_dir):
     assert sl["p50"] is not None and 0 < sl["min"] <= sl["p50"] <= sl["max"], sl
 
 
-def test_speech_in_turns_arrives_in_bursts_and_its_speech_to_lips_is_measured(engine_dir):
+def test_speech_in_turns_arrives_in_bursts_and_its_speech_to_lips_is_measured(
+        engine_dir, load_script):
     """--turn-s 1 --pause-s 0.5 --burst 4: a turn's 50 frames of 20 ms arrive 5 ms apart,
     the next turn 1.5 s after the last began, nothing between; the paced session's
     speech-to-lips figure is kept."""
     import torch
 
-    lat = _script()
+    lat = load_script("livetalk_latency")
     speaking = lat.Speaking(1.0, 0.5, 4.0)
     feeder = lat.Feeder(None, torch.zeros(16000), 16000, speaking=speaking)
     due = [feeder.due(k) for k in range(101)]
