@@ -1,9 +1,10 @@
 """runtime/access.py: the host names charrun's ports answer to, the origins whose requests may
-change state, the flags that widen both, and the gate on uploads in flight."""
+change state, the flags that widen both, how a session id is compared, and the gate on
+uploads in flight."""
 
 import pytest
 
-from charengine.runtime.access import Access, AccessError, UploadGate
+from charengine.runtime.access import Access, AccessError, UploadGate, same_token
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1:8080", "127.0.0.1", "[::1]:8080", "10.0.0.7:80",
@@ -78,3 +79,10 @@ def test_the_upload_gate_caps_count_and_bytes_and_counts_an_undeclared_body_as_t
         gate.release(size)
     assert (gate.count, gate.bytes) == (0, 0)
     assert gate.admit(10**9) == 64  # a declared length past the largest is cut off there
+
+
+@pytest.mark.parametrize("given", ["", "abc", "\u00e9" * 22, "\ud800", "x" * 10_000])
+def test_a_session_id_of_any_characters_is_compared_and_names_no_other_session(given):
+    token = "Zm9vYmFyYmF6cXV4cXV1eA"
+    assert same_token(token, token) and not same_token(given, token)
+    assert same_token("\u00e9t\u00e9", "\u00e9t\u00e9")

@@ -247,8 +247,9 @@ def test_control_requests_act_only_on_the_session_they_name(server):
     token = json.loads(data)["session"]
     assert len(token) >= 22 and not token.isdigit()
     for path in ("/interrupt", "/stop"):
-        status, ctype, data = server.request(path, json.dumps({"session": token[::-1]}).encode())
-        assert status == 404 and "no such session" in error_of(status, ctype, data)
+        for wrong in (token[::-1], "\u00e9" * len(token)):  # non-ASCII: compared as bytes
+            status, ctype, data = server.request(path, json.dumps({"session": wrong}).encode())
+            assert status == 404 and "no such session" in error_of(status, ctype, data)
         status, ctype, data = server.request(path, b"{}")
         assert status == 400
     assert json.loads(server.request("/status")[2])["state"] == "streaming"
@@ -434,3 +435,22 @@ def test_a_barge_in_that_drops_the_speech_in_flight_drops_it_up_to_the_first_sil
     # no silence comes: the frames that begin within the cap's 700 samples are dropped (three
     # of 320), then it is heard
     assert heard_of([0.5, 0.5, 0.5, 0.25, 0.5], 700) == ([0.25, 0.5], 0)
+
+
+def test_the_events_channel_is_the_sessions_once_it_says_the_id_of_any_characters():
+    """An events channel's hello naming another id (non-ASCII, a lone surrogate, not a
+    string, too long) leaves the channel without the session's events and raises nothing
+    into the peer connection; the session's own id makes it the session's."""
+    from types import SimpleNamespace
+
+    from charengine.runtime.server import MAX_CHANNEL_MESSAGE, Served, Server
+
+    token = "Zm9vYmFyYmF6cXV4cXV1eA"
+    served, channel = Served(token, 1, 0, None, None), object()
+    hello = lambda session: json.dumps({"type": "hello", "session": session})  # noqa: E731
+    for said in (hello("\u00e9" * len(token)), hello("\ud800"), hello(token[::-1]), hello(7),
+                 hello(token) + " " * MAX_CHANNEL_MESSAGE, "[" * 100_000, b"\xff", "{}"):
+        Server._channel_said(SimpleNamespace(), served, channel, said)
+        assert served.events is None, said[:40]
+    Server._channel_said(SimpleNamespace(), served, channel, hello(token))
+    assert served.events is channel

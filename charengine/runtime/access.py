@@ -16,6 +16,9 @@ server's own origin. So:
   browser always sends it on POST): a script, a bot's client, curl; it passes.
 - JSON as JSON: a POST must say Content-Type: application/json, which a cross-site page can
   send only after a CORS preflight that this server never grants.
+- Session ids: a control request or an events channel acts on the session whose id (an
+  unguessable token) it names, compared in constant time as UTF-8 bytes, so that an id of any
+  characters is just one that names no session.
 - Uploads in flight: at most MAX_UPLOADS offers' bodies are read at once, holding at most
   MAX_UPLOAD_BYTES_IN_FLIGHT between them (a body's declared length, or the largest one
   allowed where it declares none); past either the offer gets 503 with Retry-After before its
@@ -25,6 +28,7 @@ server's own origin. So:
 from __future__ import annotations
 
 import ipaddress
+import secrets
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -132,6 +136,14 @@ class Access:
         shown = origin if len(origin) <= 80 else origin[:80] + "..."
         return (f"requests from the page at {shown!r} may not control this server: use its "
                 "own page, or start charrun with --allow-origin for your front end")
+
+
+def same_token(given: str, token: str) -> bool:
+    """Whether `given` is the session id `token`, in constant time for ids of one length
+    (secrets.compare_digest, on bytes: on strings it refuses non-ASCII ones with a
+    TypeError)."""
+    return secrets.compare_digest(given.encode("utf-8", "surrogatepass"),
+                                  token.encode("utf-8", "surrogatepass"))
 
 
 class UploadGate:

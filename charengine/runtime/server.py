@@ -50,7 +50,7 @@ import torch
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
-from .access import JSON_TYPE, UPLOAD_RETRY_AFTER_S, Access, UploadGate
+from .access import JSON_TYPE, UPLOAD_RETRY_AFTER_S, Access, UploadGate, same_token
 from .formats import MAX_UPLOAD_SPEECH_S, ImageFit, MediaError
 from .garbage import collect_after_session
 from .images import load_image
@@ -458,7 +458,7 @@ class Server:
             return
         if isinstance(said, dict) and said.get("type") == "hello" and \
                 isinstance(said.get("session"), str) and \
-                secrets.compare_digest(said["session"], served.token):
+                same_token(said["session"], served.token):
             served.events = channel
 
     async def _connect_watchdog(self, served: Served) -> None:
@@ -552,7 +552,7 @@ class Server:
             raise BadRequest('name the session: {"session": id}, the id /offer returned')
         # every live token compared, in constant time each: no early answer says how many
         # sessions there are or which token came close
-        found = [s for s in list(self.live.values()) if secrets.compare_digest(token, s.token)]
+        found = [s for s in list(self.live.values()) if same_token(token, s.token)]
         served = found[0] if found else None
         if served is None:
             raise NoSuchSession("no such session: it has ended, or it is not yours; press "
@@ -561,9 +561,9 @@ class Server:
 
     async def interrupt(self, request):
         """A barge-in. With "in_flight": "drop" the microphone's audio already sent is dropped
-        too, up to its first silent frame (at most IN_FLIGHT_MAX_S of it): a client that clears its own queue of speech and
-        then sends silence (charengine.pipecat) asks for it; the page does not (its
-        microphone is the user, who may go on speaking)."""
+        too, up to its first silent frame (at most IN_FLIGHT_MAX_S of it): a client that
+        clears its own queue of speech and then sends silence (charengine.pipecat) asks for
+        it; the page does not (its microphone is the user, who may go on speaking)."""
         body = parse_json(await request.read(), "the request")
         served = await self._owned(request, body)
         in_flight = body.get("in_flight", "keep")
