@@ -3,7 +3,10 @@ line and `--check` stay light): the image bounds and fit policies, the video con
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,14 +15,41 @@ class MediaError(ValueError):
     pass
 
 
+UPLOAD = "upload"  # what a reader's message names a file given as bytes
+
+
 def source_of(src: str | Path | bytes):
     """(what a media library opens, a name for messages) for a path or a file's bytes."""
     if isinstance(src, (bytes, bytearray)):
-        return io.BytesIO(src), "upload"
+        return io.BytesIO(src), UPLOAD
     path = Path(src)
     if not path.is_file():
         raise MediaError(f"{path}: no such file")
     return str(path), str(path)
+
+
+def upload_message(e: MediaError) -> str:
+    """A reader's message about a file given as bytes, without the name it gave the file
+    ("upload: ") and the in-memory file's repr a library quoted: for the caller to say
+    which file it was."""
+    text = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(e))
+    return text.removeprefix(f"{UPLOAD}: ")
+
+
+def data_url_bytes(url, what: str) -> bytes | None:
+    """The bytes of a data: URL, as the page and a LiveKit dispatch send a file (None for
+    none given); MediaError naming `what` for anything else and for an empty file."""
+    if not url:
+        return None
+    if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
+        raise MediaError(f"{what}: expected a data: URL")
+    try:
+        data = base64.b64decode(url.split(",", 1)[1], validate=False)
+    except (binascii.Error, ValueError):
+        raise MediaError(f"{what}: the data URL is not valid base64") from None
+    if not data:
+        raise MediaError(f"{what}: the file is empty; choose another")
+    return data
 
 
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers that carry H.264 + AAC

@@ -32,11 +32,8 @@ mid-session (no RTCP report for PEER_SILENT_S) frees it too.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import logging
-import re
 import secrets
 import signal
 import time
@@ -51,7 +48,8 @@ from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
 from .access import JSON_TYPE, UPLOAD_RETRY_AFTER_S, Access, UploadGate, same_token
-from .formats import MAX_UPLOAD_SPEECH_S, ImageFit, MediaError
+from .formats import (MAX_UPLOAD_SPEECH_S, ImageFit, MediaError, data_url_bytes,
+                      upload_message)
 from .garbage import collect_after_session
 from .images import load_image
 from .live import SILENCE_LEVEL, LiveSession
@@ -103,26 +101,9 @@ class Unavailable(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
-def _data_url_bytes(url, what: str) -> bytes | None:
-    """The bytes of a data: URL (None for none given); BadRequest for anything else and for
-    an empty file."""
-    if not url:
-        return None
-    if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
-        raise BadRequest(f"{what}: expected a data: URL")
-    try:
-        data = base64.b64decode(url.split(",", 1)[1], validate=False)
-    except (binascii.Error, ValueError):
-        raise BadRequest(f"{what}: the data URL is not valid base64") from None
-    if not data:
-        raise BadRequest(f"{what}: the file is empty; choose another")
-    return data
-
-
 def _upload_error(e: MediaError, what: str, name) -> BadRequest:
     """A reader's message about an upload, naming the file as the page chose it."""
-    text = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(e))
-    text = text.removeprefix("upload: ")
+    text = upload_message(e)
     if isinstance(name, str) and name.strip():
         what = f'{what} "{name.strip()[:MAX_NAME_CHARS]}"'
     return BadRequest(f"{what}: {text}")
@@ -314,7 +295,7 @@ class Server:
         if policy is not None or background is not None:
             fit = ImageFit(policy or fit.policy, background or fit.background)
         notes = []
-        image_bytes = _data_url_bytes(_checked_str(body, "image"), "image")
+        image_bytes = data_url_bytes(_checked_str(body, "image"), "image")
         if image_bytes is not None:
             try:
                 picture = load_image(image_bytes, spec.out_h, spec.out_w, fit)
@@ -324,7 +305,7 @@ class Server:
             notes.append(f"image: {picture.describe()}")
         else:
             image = torch.full((3, spec.out_h, spec.out_w), 0.5)
-        speech_bytes = _data_url_bytes(_checked_str(body, "speech"), "speech")
+        speech_bytes = data_url_bytes(_checked_str(body, "speech"), "speech")
         if speech_bytes is not None:
             warnings: list[str] = []
             try:
