@@ -3,6 +3,7 @@ AvatarRunner and QueueAudioOutput, against a stand-in room (no LiveKit server ca
 Tests against a real server are opt-in: they run only when LIVEKIT_URL is set."""
 
 import asyncio
+import json
 import os
 import time
 
@@ -400,6 +401,35 @@ def test_a_livetalk_avatar_publishes_16fps_frames_each_with_its_audio(tmp_path):
     assert 1.0 <= len(audio_frames) / 16 <= 1.0 + 12 / 16 + 1e-6  # whole chunks
 
 
+class JobRequest:
+    """What AvatarJobs.request uses of LiveKit's JobRequest: the job's metadata, accept
+    and reject."""
+
+    def __init__(self, metadata: str = "{}"):
+        self.job = type("Job", (), {"metadata": metadata})()
+        self.answer = None
+
+    async def accept(self, **_):
+        self.answer = "accepted"
+
+    async def reject(self):
+        self.answer = "rejected"
+
+
+class JobContext:
+    """What AvatarJobs.entrypoint uses of LiveKit's JobContext: the room, the job's
+    metadata, connect and shutdown (its reason kept)."""
+
+    def __init__(self, room, metadata: str = '{"sender": "agent"}'):
+        self.room, self.job, self.ended = room, type("Job", (), {"metadata": metadata})(), None
+
+    async def connect(self):
+        return None
+
+    def shutdown(self, reason=""):
+        self.ended = reason
+
+
 def test_a_worker_of_two_sessions_takes_two_jobs_reports_its_load_and_ends_both(tmp_path):
     """charrun --livekit --sessions 2: LiveKit's requests are accepted while a lane is free
     (a third is rejected), the load reads sessions / 2 (so dispatch spreads jobs), each job
@@ -411,36 +441,14 @@ def test_a_worker_of_two_sessions_takes_two_jobs_reports_its_load_and_ends_both(
     two = Worker(Engine.load(build_target(tmp_path)), sessions=2, over_capacity=True)
     jobs = AvatarJobs(two)
 
-    class Request:
-        def __init__(self):
-            self.job = type("Job", (), {"metadata": "{}"})()
-            self.answer = None
-
-        async def accept(self, **_):
-            self.answer = "accepted"
-
-        async def reject(self):
-            self.answer = "rejected"
-
-    class Context:
-        def __init__(self, room):
-            self.room, self.job, self.ended = room, type("Job", (), {"metadata": '{"sender": '
-                                                                    '"agent"}'})(), None
-
-        async def connect(self):
-            return None
-
-        def shutdown(self, reason=""):
-            self.ended = reason
-
     async def scenario():
-        asked = [Request() for _ in range(3)]
+        asked = [JobRequest() for _ in range(3)]
         for r in asked:
             await jobs.request(r)
         answers, load = [r.answer for r in asked], jobs.load()
         threshold, full = jobs.load_threshold, jobs.busy()
         rooms = [pair()[1] for _ in range(2)]
-        contexts = [Context(room) for room in rooms]
+        contexts = [JobContext(room) for room in rooms]
         running = [asyncio.create_task(jobs.entrypoint(c)) for c in contexts]
         await until(lambda: all(room.local_participant.published for room in rooms), 30)
         lanes = sorted(jobs.jobs)
@@ -454,3 +462,51 @@ def test_a_worker_of_two_sessions_takes_two_jobs_reports_its_load_and_ends_both(
     assert lanes == [0, 1]
     assert all(c.ended == "charengine: the worker is stopping" for c in contexts)
     assert jobs.load() == 0.0 and not jobs.in_session()
+
+
+@pytest.mark.parametrize("metadata,says", [
+    ("{not json", "not JSON"), ("[1, 2]", "a JSON list, not an object"),
+    ('{"image": 5}', "'image' must be a string, not int"),
+    ('{"prompt": ["a"]}', "'prompt' must be a string, not list"),
+    ('{"image": "http://example.com/face.png"}', "image: expected a data: URL"),
+    ('{"image": "data:image/png;base64,"}', "image: the file is empty"),
+])
+def test_a_job_whose_metadata_is_no_character_is_rejected_in_one_line_and_takes_no_place(
+        worker, caplog, metadata, says):
+    """A dispatch whose metadata does not describe a character is rejected with one line in
+    the log; the worker's place stays free (the next good job is accepted)."""
+    from charengine.runtime.livekit_avatar import AvatarJobs
+
+    jobs = AvatarJobs(worker)
+
+    async def scenario():
+        bad, good = JobRequest(metadata), JobRequest('{"sender": "agent"}')
+        await jobs.request(bad)
+        active = jobs.active()
+        await jobs.request(good)
+        return bad.answer, active, good.answer
+
+    assert asyncio.run(scenario()) == ("rejected", 0, "accepted")
+    lines = [r.getMessage() for r in caplog.records if r.name == "charengine.livekit"]
+    assert len(lines) == 1 and says in lines[0] and "\n" not in lines[0], lines
+
+
+def test_a_job_whose_image_does_not_read_ends_with_one_line_and_frees_its_place(worker, caplog):
+    """An image in the metadata that is no image ends the job (shut down with the reason,
+    one line in the log, nothing published) and leaves the worker idle."""
+    import base64
+
+    from charengine.runtime.livekit_avatar import AvatarJobs
+    from livekit_loopback import pair
+
+    jobs = AvatarJobs(worker)
+    damaged = "data:image/png;base64," + base64.b64encode(b"GIF89a no").decode()
+    room = pair()[1]
+    context = JobContext(room, json.dumps({"image": damaged, "sender": "agent"}))
+    asyncio.run(asyncio.wait_for(jobs.entrypoint(context), 30))
+    assert context.ended is not None and context.ended.startswith(
+        "charengine: the job's image: not an image"), context.ended
+    assert "BytesIO" not in context.ended
+    assert not room.local_participant.published and not jobs.in_session()
+    lines = [r.getMessage() for r in caplog.records if r.name == "charengine.livekit"]
+    assert len(lines) == 1 and "not an image" in lines[0], lines

@@ -45,7 +45,7 @@ from livekit.agents.voice.avatar import (AudioSegmentEnd, AvatarOptions, AvatarR
                                          DataStreamAudioReceiver, QueueAudioOutput,
                                          VideoGenerator)
 
-from .formats import ImageFit
+from .formats import ImageFit, MediaError, data_url_bytes, upload_message
 from .garbage import collect_after_session
 from .images import read_image
 from .lifecycle import STOP_SIGNALS, Drain, keep_ranks
@@ -74,6 +74,35 @@ class LiveKitSetupError(RuntimeError):
 
 class SessionFailed(RuntimeError):
     """The live session behind the avatar failed (a rank died): the job ends with it."""
+
+
+class BadDispatch(ValueError):
+    """A job's dispatch metadata that does not describe a character (one line)."""
+
+
+DISPATCH_FIELDS = ("image", "prompt", "identity", "sender")  # strings where given
+
+
+def dispatch_metadata(text: str | None) -> dict:
+    """The character a job's dispatch metadata describes, as CharengineAvatarSession writes
+    it: a JSON object whose fields image (a data: URL), prompt, identity and sender are
+    strings where given (others are ignored); BadDispatch naming the first that is not."""
+    try:
+        meta = json.loads(text or "{}")
+    except (json.JSONDecodeError, RecursionError):
+        raise BadDispatch("the job's metadata is not JSON") from None
+    if not isinstance(meta, dict):
+        raise BadDispatch(f"the job's metadata is a JSON {type(meta).__name__}, not an "
+                          "object")
+    for key in DISPATCH_FIELDS:
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise BadDispatch(f"the job's metadata: '{key}' must be a string, not "
+                              f"{type(meta[key]).__name__}")
+    try:
+        data_url_bytes(meta.get("image"), "the job's image")
+    except MediaError as e:
+        raise BadDispatch(str(e)) from None
+    return meta
 
 
 def frame_samples(rate: int, fps: int) -> int:
@@ -229,15 +258,22 @@ async def serve_room(room: rtc.Room, worker: Worker, meta: dict, audio_rate: int
     metadata (image as a data URL, prompt, the agent's identity), driven by the agent's audio
     streams, until the runner completes, `stop` is set (the worker drains) or the job is
     cancelled. A session that fails (a rank died) ends the job with SessionFailed, its message
-    the cause. On `stop`, a turn still playing ends as a barge-in ends it, so the agent hears
-    that its speech was interrupted and where, before the avatar leaves."""
+    the cause; an image that does not read ends it with BadDispatch. On `stop`, a turn still
+    playing ends as a barge-in ends it, so the agent hears that its speech was interrupted and
+    where, before the avatar leaves."""
     spec = worker.spec
     image = torch.full((3, spec.out_h, spec.out_w), 0.5)
-    if meta.get("image"):
-        data = base64.b64decode(meta["image"].split(",", 1)[1])
-        image = await asyncio.get_running_loop().run_in_executor(
-            None, read_image, data, spec.out_h, spec.out_w, image_fit)
-    gen = CharacterVideoGenerator(worker, image, meta.get("prompt", ""), audio_rate=audio_rate,
+    try:
+        data = data_url_bytes(meta.get("image"), "the job's image")
+    except MediaError as e:
+        raise BadDispatch(str(e)) from None
+    if data is not None:
+        try:
+            image = await asyncio.get_running_loop().run_in_executor(
+                None, read_image, data, spec.out_h, spec.out_w, image_fit)
+        except MediaError as e:
+            raise BadDispatch(f"the job's image: {upload_message(e)}") from None
+    gen = CharacterVideoGenerator(worker, image, meta.get("prompt") or "", audio_rate=audio_rate,
                                   metrics=metrics)
     await gen.start()
     receiver = DataStreamAudioReceiver(room, sender_identity=meta.get("sender"))
@@ -310,6 +346,12 @@ class AvatarJobs:
         return (self.capacity - LOAD_THRESHOLD) / self.capacity
 
     async def request(self, req: JobRequest) -> None:
+        try:
+            meta = dispatch_metadata(req.job.metadata)
+        except BadDispatch as e:
+            log.warning("a job was rejected: %s", e)
+            await req.reject()
+            return
         with self.guard:
             full = len(self.jobs) + len(self.pending) >= self.capacity
             if not (full or self.draining or self.lock.locked()):
@@ -319,9 +361,9 @@ class AvatarJobs:
         if full or self.draining or self.lock.locked():
             await req.reject()
             return
-        meta = json.loads(req.job.metadata or "{}")
-        await req.accept(identity=meta.get("identity", self.agent_name), name="charengine")
+        # the claim is freed if LiveKit never assigns the job, an accept that failed included
         asyncio.get_running_loop().call_later(CLAIM_TIMEOUT_S, self._unclaim, claim)
+        await req.accept(identity=meta.get("identity") or self.agent_name, name="charengine")
 
     def _unclaim(self, claim: int) -> None:
         with self.guard:
@@ -353,10 +395,13 @@ class AvatarJobs:
             else:
                 connect.result()
                 await serve_room(ctx.room, self.lanes[lane],
-                                 json.loads(ctx.job.metadata or "{}"), self.audio_rate,
+                                 dispatch_metadata(ctx.job.metadata), self.audio_rate,
                                  self.image_fit, self.metrics, stop)
             if stop.is_set():
                 ctx.shutdown(reason=f"charengine: {self.reason}")
+        except BadDispatch as e:  # its metadata, or its image, does not read as one
+            log.warning("the job in room %s was ended: %s", ctx.room.name, e)
+            ctx.shutdown(reason=f"charengine: {e}")
         except SessionFailed as e:
             log.error("session in room %s failed: %s", ctx.room.name, e)
             ctx.shutdown(reason=f"charengine: {e}")
