@@ -589,3 +589,35 @@ def test_the_avatar_job_that_a_drain_ends_tells_the_agent_its_turn_was_interrupt
     finished, _ = asyncio.run(scenario())
     assert len(finished) == 1 and finished[0].interrupted, finished
     assert 0.5 < finished[0].playback_position < 3.0, finished
+
+
+def test_idle_connections_hold_no_more_than_the_cap_and_are_closed():
+    """Connections that say nothing to the probe port: those past the cap are closed as
+    they come, those within it once idle_s has passed; the threads they held are gone and
+    /healthz answers again."""
+    from charengine.runtime.probes import ProbeServer, Readiness
+
+    def serving() -> int:  # the probe server's connection threads
+        return sum(t.name.endswith("(process_request_thread)") for t in threading.enumerate())
+
+    cap, port = 4, free_port()
+    probes = ProbeServer(Readiness(), "127.0.0.1", port, idle_s=5.0, max_connections=cap)
+    probes.start()
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3 * cap)]
+        most, end = 0, time.monotonic() + 2
+        while time.monotonic() < end:
+            most = max(most, serving())
+            time.sleep(0.01)
+        assert most == cap, most
+        assert all(c.recv(1) == b"" for c in idle)  # every one closed by the server
+        for c in idle:
+            c.close()
+        end = time.monotonic() + 30
+        while serving() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert serving() == 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as r:
+            assert r.status == 200
+    finally:
+        probes.stop()

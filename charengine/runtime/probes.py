@@ -10,12 +10,16 @@ The server is the standard library's ThreadingHTTPServer on a thread of its own,
 app: it must answer from before the engine loads (the load holds the main thread, before any
 event loop exists) until the process exits, under whichever event loop the mode then runs
 (aiohttp's for the page, LiveKit's for a fleet worker), and while that loop is busy. Three
-read-only GET routes need nothing more."""
+read-only GET routes need nothing more. Each connection holds a thread while it is open,
+so a connection that says nothing for IDLE_S is closed, and past MAX_CONNECTIONS at once a
+new one is closed as it is accepted: no number of idle connections to the port holds the
+process's threads or files (its probers, a kubelet and a scraper, need a few)."""
 
 from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +33,8 @@ STATES = ("loading", "ready", "busy", "draining", "failed")
 POLL_S = 0.1  # how often the probe thread looks for its stop
 HEALTH_PORT = 8081  # --health-port's default
 RANKS_DOWN = "a TP rank stopped: its ranks are being started afresh"
+IDLE_S = 5.0  # a probe connection that sends nothing for this long is closed
+MAX_CONNECTIONS = 64  # probe connections served at once; more are closed as they come
 
 
 class ProbeError(RuntimeError):
@@ -156,24 +162,61 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # probes come every few seconds; the log is for what happens to sessions
 
 
+class _ProbeHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer serving at most `max_connections` connections at once: one past
+    them is closed as it is accepted (no thread, no file held)."""
+
+    daemon_threads = True
+    max_connections = MAX_CONNECTIONS
+
+    def server_activate(self):
+        self.slots = threading.BoundedSemaphore(self.max_connections)
+        super().server_activate()
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread started to release it
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address):
+        """A connection the client broke (reset, or too slow to take its answer) is its
+        affair: nothing printed; anything else is printed as the standard library does."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+
 class ProbeServer:
     """The probe routes on host:port, served from a thread of its own from start() to stop().
     `metrics` (runtime/metrics.py's Metrics) may be given once the engine is read."""
 
     def __init__(self, readiness: Readiness, host: str, port: int, metrics=None,
-                 access: Access = Access()):
+                 access: Access = Access(), idle_s: float = IDLE_S,
+                 max_connections: int = MAX_CONNECTIONS):
         self.readiness, self.host, self.port, self.metrics = readiness, host, port, metrics
         self.access = access  # the host names it answers to (runtime/access.py)
+        self.idle_s, self.max_connections = idle_s, max_connections
         self.t0 = time.monotonic()
         self.httpd: ThreadingHTTPServer | None = None
         self.thread: threading.Thread | None = None
 
     def start(self) -> "ProbeServer":
         """Listen and serve; a port that cannot be had is one ProbeError line."""
-        handler = type("ProbeHandler", (_Handler,), {"probes": self})
+        handler = type("ProbeHandler", (_Handler,), {"probes": self, "timeout": self.idle_s})
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        server_class = type("ProbeHTTPServer", (ThreadingHTTPServer,),
-                            {"address_family": family, "daemon_threads": True})
+        server_class = type("ProbeHTTPServer", (_ProbeHTTPServer,),
+                            {"address_family": family,
+                             "max_connections": self.max_connections})
         try:
             self.httpd = server_class((self.host, self.port), handler)
         except OSError as e:
