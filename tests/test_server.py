@@ -102,6 +102,10 @@ def error_of(status, ctype, body):
     (json.dumps({"sdp": "v=0", "type": "offer",
                  "image": "data:image/png;base64," + base64.b64encode(b"GIF89a no").decode()}
                 ).encode(), "not an image"),
+    (json.dumps({"sdp": "v=0\r\n" + "a=x\r\n" * 20_000, "type": "offer"}).encode(),
+     "the offer's SDP is 100,005 bytes; at most 65,536"),
+    (json.dumps({"sdp": "v=0\r\n" + "m=audio 9 UDP/TLS/RTP/SAVPF 0\r\n" * 9,
+                 "type": "offer"}).encode(), "has 9 media sections; at most 8"),
 ])
 def test_a_malformed_offer_gets_a_json_400(server, body, says):
     status, ctype, data = server.request("/offer", body)

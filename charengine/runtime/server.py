@@ -11,7 +11,8 @@ step), GET /metrics. Every error is JSON, {"error": sentence}, with a 4xx status
 the request got wrong and 5xx for what the server did (503 with Retry-After where trying
 again later will do). Uploads are bounded before they are read (runtime/access.py: how many
 at once and their bytes) and decoded off the event loop, so /metrics and the rest answer
-while an image is read; a speech upload is refused past MAX_UPLOAD_SPEECH_S.
+while an image is read; a speech upload is refused past MAX_UPLOAD_SPEECH_S, and an SDP past
+MAX_SDP_BYTES or MAX_MEDIA_SECTIONS before it is negotiated (on the event loop).
 
 Who may do what (runtime/access.py): every request must name a host the server answers to
 (DNS rebinding); a POST must be JSON and come from the page's own origin, an allowed one, or
@@ -79,6 +80,12 @@ FULL_RETRY_AFTER_S = 5
 # a packet or two on the way), so a client that never sends silence is heard again soon
 IN_FLIGHT_MAX_S = 0.5
 STATIC = "static"  # the page's files, package data of charengine.runtime
+# An offer's SDP is refused past these before it is negotiated: the page's offer in Chromium
+# has three media sections (video, audio both ways, the events channel) in about 7 kB, and
+# negotiating grows faster than the sections do (5,000 of them, 6 MB, held the event loop,
+# and so every session's media, for 15 s)
+MAX_SDP_BYTES = 64 * 1024
+MAX_MEDIA_SECTIONS = 8
 
 
 class ServeError(RuntimeError):
@@ -179,6 +186,18 @@ def _checked_str(body: dict, key: str, default=None):
     if not isinstance(value, str):
         raise BadRequest(f"'{key}' must be a string, not {type(value).__name__}")
     return value
+
+
+def _check_sdp(sdp: str) -> None:
+    """BadRequest for an offer's SDP past MAX_SDP_BYTES or MAX_MEDIA_SECTIONS."""
+    size = len(sdp.encode("utf-8", "surrogatepass"))
+    if size > MAX_SDP_BYTES:
+        raise BadRequest(f"the offer's SDP is {size:,} bytes; at most {MAX_SDP_BYTES:,}: send "
+                         "the page's own offer")
+    sections = sum(line.startswith("m=") for line in sdp.splitlines())
+    if sections > MAX_MEDIA_SECTIONS:
+        raise BadRequest(f"the offer's SDP has {sections} media sections; at most "
+                         f"{MAX_MEDIA_SECTIONS}: send the page's own offer")
 
 
 def parse_json(raw: bytes, what: str):
@@ -353,6 +372,7 @@ class Server:
             raise BadRequest("the offer needs 'sdp' (a string) and 'type': 'offer'")
         for key in ("prompt", "image", "speech", "fit", "background"):
             _checked_str(body, key)
+        _check_sdp(body["sdp"])
         return body
 
     async def offer(self, request):
