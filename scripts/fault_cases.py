@@ -13,8 +13,9 @@ from typing import Callable
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from charengine.runtime.probes import MAX_CONNECTIONS  # noqa: E402
 from netns import can_netns  # noqa: E402 - the tests' namespaces, shared
-from offers import wav_data_url  # noqa: E402 - and their requests
+from offers import offer_of_sections, wav_data_url  # noqa: E402 - and their requests
 from fault_fixtures import (NETNS, NO_READ_OVERRIDE, can_drop_read_override,  # noqa: E402
     check_audio_duration, check_engine, check_not_ran, check_not_served, check_readable,
     check_replaced, check_steps, client_vanishes, engine_copy, flip_rank_byte, hold_port,
@@ -24,6 +25,7 @@ from fault_fixtures import (NETNS, NO_READ_OVERRIDE, can_drop_read_override,  # 
     make_text_ckpt, make_user_dir, make_user_file, manifest_dim_string, manifest_list,
     metrics_during_offer,
     offer_then_stop, offer_with, pick_big_offer, pick_port, pick_ports, private_rank_file,
+    probe_idle_connections,
     rank_dies_idle, render_argv, request_then_stop, Running, second_build_meanwhile,
     signal_after_s, signal_on, sigterm_served_tree, sigterm_when_staging,
     uploads_in_flight, version_string)
@@ -311,6 +313,19 @@ def fact_is(**want) -> Callable[[dict], list[str]]:
     return check
 
 
+def fact_at_most(**limits) -> Callable[[dict], list[str]]:
+    def check(facts):
+        return [f"{k} is {facts.get(k)!r}, expected at most {v!r}" for k, v in limits.items()
+                if facts.get(k) is None or facts[k] > v]
+    return check
+
+
+def fact_all(*checks: Callable[[dict], list[str]]) -> Callable[[dict], list[str]]:
+    def check(facts):
+        return [problem for c in checks for problem in c(facts)]
+    return check
+
+
 def fact_http(status: int) -> Callable[[dict], list[str]]:
     def check(facts):
         problems = []
@@ -402,6 +417,12 @@ def hostile_request_cases(serve: list[str]) -> list[Case]:
              "no session id"),
         case("serve-stop-another-session", 404, "POST", "/stop",
              lambda: b'{"session": "Zm9yZ2VkLXRva2VuLWd1ZXNz"}', "a guessed session id"),
+        case("serve-offer-5000-media-sections", 400, "POST", "/offer",
+             lambda: offer_of_sections(5000), "an SDP of 5,000 media sections (6 MB)"),
+        Case("serve-probe-300-idle-connections", "serve", both,
+             Expect(rc=0, facts=fact_all(fact_is(closed=300, healthz=200),
+                                         fact_at_most(threads_added=MAX_CONNECTIONS))),
+             setup=pick_ports, during=probe_idle_connections(300), timeout=90),
     ]
 
 

@@ -622,6 +622,38 @@ def rank_dies_idle(running: Running, ctx: dict) -> None:
     stop_server(running)
 
 
+def probe_idle_connections(count: int) -> Callable[[Running, dict], None]:
+    """Once the server serves: `count` connections to the probe port that say nothing; the
+    server's threads with them open, whether each is closed by the server, then /healthz."""
+    def during(running: Running, ctx: dict) -> None:
+        if not running.wait_for("serving on", "stdout"):
+            ctx["notes"].append("never printed 'serving on'")
+            return
+        before = running.ps.num_threads()
+        idle = [socket.create_connection(("127.0.0.1", ctx["health"]), timeout=30)
+                for _ in range(count)]
+        time.sleep(1.0)  # the server has accepted them
+        added = running.ps.num_threads() - before
+
+        def closed(c: socket.socket) -> bool:
+            try:
+                return c.recv(1) == b""
+            except OSError:
+                return False
+        try:
+            shut = sum(closed(c) for c in idle)
+        finally:
+            for c in idle:
+                c.close()
+        status, _, secs = http_request(ctx["health"], "GET", "/healthz")
+        ctx["facts"].update(threads_added=added, closed=shut, healthz=status)
+        ctx["notes"].append(f"{count} idle connections to the probe port: {added} threads "
+                            f"added, {shut} closed by the server; then GET /healthz -> "
+                            f"{status} in {secs:.2f} s")
+        stop_server(running)
+    return during
+
+
 def metrics_during_offer(running: Running, ctx: dict) -> None:
     if not running.wait_for("serving on", "stdout"):
         ctx["notes"].append("never printed 'serving on'")

@@ -1,8 +1,11 @@
 """Requests a client of charrun --serve can make, for the tests and scripts/fault_matrix.py:
-speech as a data URL, and an offer whose body has barely begun to arrive."""
+speech as a data URL, an offer whose body has barely begun to arrive, and an offer of many
+media sections."""
 
+import asyncio
 import base64
 import io
+import json
 import socket
 import wave
 
@@ -39,3 +42,22 @@ def answer_of(s: socket.socket, timeout_s: float = 30.0) -> tuple[str, bytes]:
         answer += chunk
     head, _, body = answer.partition(b"\r\n\r\n")
     return head.decode(), body
+
+
+def offer_of_sections(n: int) -> bytes:
+    """An offer's body whose SDP holds `n` audio media sections, each as aiortc offers one
+    (about 1.2 kB), bundled together."""
+    from aiortc import RTCPeerConnection
+
+    async def one() -> str:
+        pc = RTCPeerConnection()
+        pc.addTransceiver("audio", direction="sendonly")
+        await pc.setLocalDescription(await pc.createOffer())
+        sdp = pc.localDescription.sdp
+        await pc.close()
+        return sdp
+
+    head, m, section = asyncio.run(one()).partition("m=audio")
+    sections = "".join((m + section).replace("a=mid:0", f"a=mid:{k}") for k in range(n))
+    head = head.replace("a=group:BUNDLE 0", "a=group:BUNDLE " + " ".join(map(str, range(n))))
+    return json.dumps({"type": "offer", "sdp": head + sections}).encode()

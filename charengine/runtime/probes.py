@@ -168,6 +168,7 @@ class _ProbeHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     max_connections = MAX_CONNECTIONS
+    request_queue_size = MAX_CONNECTIONS  # listen()'s backlog (the standard library's: 5)
 
     def server_activate(self):
         self.slots = threading.BoundedSemaphore(self.max_connections)
