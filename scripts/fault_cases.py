@@ -417,6 +417,8 @@ def hostile_request_cases(serve: list[str]) -> list[Case]:
              "no session id"),
         case("serve-stop-another-session", 404, "POST", "/stop",
              lambda: b'{"session": "Zm9yZ2VkLXRva2VuLWd1ZXNz"}', "a guessed session id"),
+        case("serve-stop-60MB", 413, "POST", "/stop",
+             lambda: b'{"session": "' + b"x" * (60 << 20) + b'"}', "a 60 MB body"),
         case("serve-offer-5000-media-sections", 400, "POST", "/offer",
              lambda: offer_of_sections(5000), "an SDP of 5,000 media sections (6 MB)"),
         Case("serve-probe-300-idle-connections", "serve", both,

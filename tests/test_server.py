@@ -458,3 +458,26 @@ def test_the_events_channel_is_the_sessions_once_it_says_the_id_of_any_character
         assert served.events is None, said[:40]
     Server._channel_said(SimpleNamespace(), served, channel, hello(token))
     assert served.events is channel
+
+
+def test_a_control_request_past_4_kb_or_without_its_length_is_refused_unread(server):
+    import http.client
+
+    from charengine.runtime.server import MAX_CONTROL_BYTES
+
+    long = json.dumps({"session": "x" * MAX_CONTROL_BYTES}).encode()
+    for path in ("/interrupt", "/stop"):
+        status, ctype, data = server.request(path, long)
+        assert status == 413 and f"at most {MAX_CONTROL_BYTES:,}" in error_of(status, ctype,
+                                                                              data)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        try:
+            conn.request("POST", path, body=iter([b'{"session": "x"}']), encode_chunked=True,
+                         headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            status, ctype, data = r.status, r.headers.get("Content-Type", ""), r.read()
+        finally:
+            conn.close()
+        assert status == 411 and "Content-Length" in error_of(status, ctype, data)
+    status, ctype, data = server.request("/stop", json.dumps({"session": "x" * 22}).encode())
+    assert status == 404  # a body within the bound is read as before

@@ -72,6 +72,9 @@ ERROR_FLUSH_S = 0.2  # lets an error message leave before the peer closes
 MAX_NAME_CHARS = 80  # an uploaded file's name, as messages quote it
 TOKEN_BYTES = 16  # a session id's randomness (secrets.token_urlsafe: 22 characters)
 MAX_CHANNEL_MESSAGE = 4096  # the longest message the events channel reads
+# a control request's body ({"session": id, "in_flight": ...}): its declared length is checked
+# before it is read (the upload gate counts offers only)
+MAX_CONTROL_BYTES = 4096
 # what a 503 at capacity tells the client to wait: a session is minutes long, so a freed
 # lane is found by trying again now and then
 FULL_RETRY_AFTER_S = 5
@@ -98,6 +101,14 @@ class BadRequest(ValueError):
 
 class NoSuchSession(LookupError):
     """A control request whose session id names no session in progress (404)."""
+
+
+class BodyRefused(ValueError):
+    """A request body refused before it is read, with its status (411, 413)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 class Unavailable(RuntimeError):
@@ -137,6 +148,8 @@ async def json_errors(request, handler):
         return _error(400, str(e))
     except NoSuchSession as e:
         return _error(404, str(e))
+    except BodyRefused as e:
+        return _error(e.status, str(e))
     except Unavailable as e:
         return _error(503, str(e), retry_after=e.retry_after_s)
     except Exception as e:  # noqa: BLE001 - the page shows a sentence, the log the cause
@@ -544,10 +557,20 @@ class Server:
                     served.hush = 0
                 served.session.say(torch.from_numpy(samples))
 
+    @staticmethod
+    async def _control_body(request):
+        """A control request's JSON, read only where it declares at most MAX_CONTROL_BYTES."""
+        if request.content_length is None:
+            raise BodyRefused(411, "send the request with its Content-Length")
+        if request.content_length > MAX_CONTROL_BYTES:
+            raise BodyRefused(413, f"the request's body is {request.content_length:,} bytes; "
+                                   f"at most {MAX_CONTROL_BYTES:,}")
+        return parse_json(await request.read(), "the request")
+
     async def _owned(self, request, body=None) -> Served:
         """The session a control request names ({"session": token}, as /offer returned it)."""
         if body is None:
-            body = parse_json(await request.read(), "the request")
+            body = await self._control_body(request)
         token = body.get("session") if isinstance(body, dict) else None
         if not isinstance(token, str) or not token:
             raise BadRequest('name the session: {"session": id}, the id /offer returned')
@@ -565,7 +588,7 @@ class Server:
         too, up to its first silent frame (at most IN_FLIGHT_MAX_S of it): a client that
         clears its own queue of speech and then sends silence (charengine.pipecat) asks for
         it; the page does not (its microphone is the user, who may go on speaking)."""
-        body = parse_json(await request.read(), "the request")
+        body = await self._control_body(request)
         served = await self._owned(request, body)
         in_flight = body.get("in_flight", "keep")
         if in_flight not in ("keep", "drop"):
