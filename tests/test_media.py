@@ -171,3 +171,33 @@ def test_a_truncated_wav_is_read_and_reported(tmp_path):
     warnings.clear()
     read_audio(tmp_path / "s.wav", RATE, warn=warnings.append)
     assert warnings == []
+
+
+@pytest.mark.parametrize("kind", ["hls", "concat"])
+def test_speech_that_is_a_playlist_naming_urls_opens_nothing_and_is_refused(kind):
+    """An upload that is an HLS playlist or a concat list naming a URL and a local file (as
+    FFmpeg's demuxers would follow them): no connection is made, no file is read, and the
+    upload is refused in one line."""
+    import socket
+    import threading
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port, heard = listener.getsockname()[1], []
+        listener.settimeout(0.2)
+
+        def accept():
+            try:
+                heard.append(listener.accept()[0].recv(200))
+            except OSError:
+                pass
+
+        url = f"http://127.0.0.1:{port}/speech.wav"
+        body = {"hls": f"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\n{url}\n"
+                       "#EXTINF:10,\n/etc/hostname\n#EXT-X-ENDLIST\n",
+                "concat": f"ffconcat version 1.0\nfile '{url}'\nfile '/etc/hostname'\n"}[kind]
+        with pytest.raises(MediaError, match="not an audio file") as refused:
+            read_audio(body.encode(), 16000)
+        waiter = threading.Thread(target=accept)
+        waiter.start()
+        waiter.join()
+    assert heard == [] and "\n" not in str(refused.value)
