@@ -201,3 +201,29 @@ def test_speech_that_is_a_playlist_naming_urls_opens_nothing_and_is_refused(kind
         waiter.start()
         waiter.join()
     assert heard == [] and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("fmt", ["EPS", "PPM", "PCX"])
+def test_an_image_in_a_format_photos_do_not_come_in_is_refused_unread(tmp_path, fmt):
+    """Pillow opens some forty formats; a reference image is read in the photo formats only
+    (EPS would go to Ghostscript): any other is refused in one line that names them."""
+    from charengine.runtime.formats import IMAGE_FORMATS
+
+    path = tmp_path / f"face.{fmt.lower()}"
+    Image.new("RGB", (64, 64), (200, 120, 90)).save(path, fmt)
+    with pytest.raises(MediaError) as refused:
+        load_image(path, 64, 64)
+    said = str(refused.value)
+    assert said.startswith(f"{path}: not an image in a format read here") and \
+        all(f in said for f in IMAGE_FORMATS) and "\n" not in said, said
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "AVIF", "GIF", "BMP", "TIFF"])
+def test_a_photo_in_each_format_read_is_read(fmt):
+    import io
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 120, 90)).save(buf, fmt)
+    pixels = load_image(buf.getvalue(), 64, 64).pixels
+    assert pixels.shape == (3, 64, 64)
+    assert (pixels.mean((1, 2)) * 255 - torch.tensor([200.0, 120.0, 90.0])).abs().max() < 8

@@ -73,6 +73,10 @@ FIT_POLICIES = {
 # 160 MB); smaller ones, below this fraction of the model's frame on either side, would be
 # enlarged past recognition.
 MAX_IMAGE_PIXELS = 40_000_000
+# The formats a reference image is read in: the ones photographs come in. Pillow opens some
+# forty more, among them EPS, which it hands to Ghostscript, and scientific and legacy
+# formats no face photo uses: each a decoder an upload could reach for nothing.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "AVIF", "GIF", "BMP", "TIFF")
 MIN_IMAGE_FRACTION = 0.25
 DEFAULT_BACKGROUND = "#ffffff"
 EXIF_ORIENTATION = 0x0112

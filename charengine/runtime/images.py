@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .formats import (EXIF_ORIENTATION, FIT_POLICIES, MAX_IMAGE_PIXELS, MIN_IMAGE_FRACTION,
-                      ImageFit, MediaError, parse_colour, source_of)
+from .formats import (EXIF_ORIENTATION, FIT_POLICIES, IMAGE_FORMATS, MAX_IMAGE_PIXELS,
+                      MIN_IMAGE_FRACTION, ImageFit, MediaError, parse_colour, source_of)
 
 
 @dataclass
@@ -53,12 +53,13 @@ def load_image(src: str | Path | bytes, height: int, width: int,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(f)
+            im = Image.open(f, formats=IMAGE_FORMATS)
     except Image.DecompressionBombError as e:
         raise MediaError(f"{path}: the image is over {MAX_IMAGE_PIXELS // 1_000_000} "
                          f"megapixels ({e}); scale it down first") from None
     except (UnidentifiedImageError, OSError) as e:
-        raise MediaError(f"{path}: not an image ({e})") from None
+        raise MediaError(f"{path}: not an image in a format read here ({e}); give a "
+                         f"{', '.join(IMAGE_FORMATS[:-1])} or {IMAGE_FORMATS[-1]} file") from None
     with im:
         w, h = im.size
         if w * h > MAX_IMAGE_PIXELS:
