@@ -59,6 +59,14 @@ VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers that carry H.264
 # over the cap, and while it is decoded once it holds more than the cap: a render's speech
 # (MAX_SPEECH_S, 3 hours: 691 MB of 16 kHz float32) and an upload to --serve
 # (MAX_UPLOAD_SPEECH_S, 10 minutes).
+# The containers speech is read from, by FFmpeg's demuxer names (a file's format is still
+# found by probing it, among these alone): WAV (and Wave64), AIFF, CAF, MP3, ADTS AAC, Ogg
+# (Vorbis, Opus), FLAC, MP4/M4A/MOV, Matroska/WebM and AVI. FFmpeg has some three hundred
+# more, each a parser an upload could reach for nothing.
+AUDIO_DEMUXERS = ("wav", "w64", "aiff", "caf", "mp3", "aac", "ogg", "flac", "mov", "matroska",
+                  "avi")
+AUDIO_FORMATS_SAID = ("WAV, AIFF, CAF, MP3, AAC, Ogg (Vorbis, Opus), FLAC, M4A or MP4, WebM "
+                      "or MKV, AVI")
 MIN_SAMPLE_RATE = 8_000
 MAX_SAMPLE_RATE = 192_000
 MAX_SPEECH_S = 3 * 3600.0

@@ -16,8 +16,8 @@ import torch
 
 from charengine.paths import Held, make_dirs, missing_dirs, remove_dirs, remove_stale
 
-from .formats import (MAX_SAMPLE_RATE, MAX_SPEECH_S, MIN_SAMPLE_RATE, VIDEO_SUFFIXES,
-                      MediaError, source_of)
+from .formats import (AUDIO_DEMUXERS, AUDIO_FORMATS_SAID, MAX_SAMPLE_RATE, MAX_SPEECH_S,
+                      MIN_SAMPLE_RATE, VIDEO_SUFFIXES, MediaError, source_of)
 
 
 # Audio whose container declares a length is cut to it (encoders pad their last frame); one
@@ -51,9 +51,10 @@ def _audio_limits(path: str, stream, declared: float | None, max_seconds: float)
 
 def read_audio(src: str | Path | bytes, rate: int, warn=None,
                max_seconds: float = MAX_SPEECH_S) -> torch.Tensor:
-    """Any audio file PyAV decodes (a path or its bytes) -> mono float32 samples at `rate`
-    (stereo is averaged by the resampler, other rates converted), as long as the container
-    says it is (an encoder's padding of the last frame dropped). Bounded before and while it
+    """An audio file (a path or its bytes) in one of formats.AUDIO_DEMUXERS' containers, in
+    any audio codec PyAV decodes -> mono float32 samples at `rate` (stereo is averaged by
+    the resampler, other rates converted), as long as the container says it is (an
+    encoder's padding of the last frame dropped). Bounded before and while it
     is decoded (runtime/formats.py): a declared sample rate outside the speech range, a
     declared length over `max_seconds`, or more than that once decoded, is refused in one
     line, as is audio with NaN or infinite samples; `warn(line)` hears of a file that ends
@@ -61,7 +62,7 @@ def read_audio(src: str | Path | bytes, rate: int, warn=None,
     f, path = source_of(src)
     most = int(max_seconds * rate) + 1
     try:
-        with av.open(f) as c:
+        with av.open(f, options={"format_whitelist": ",".join(AUDIO_DEMUXERS)}) as c:
             if not c.streams.audio:
                 raise MediaError(f"{path}: not an audio file (no audio stream)")
             stream = c.streams.audio[0]
@@ -82,7 +83,8 @@ def read_audio(src: str | Path | bytes, rate: int, warn=None,
                                      "cut it into parts")
             chunks += [f.to_ndarray().reshape(-1) for f in rs.resample(None)]
     except av.FFmpegError as e:
-        raise MediaError(f"{path}: not an audio file ({e})") from None
+        raise MediaError(f"{path}: not an audio file in a format read here ({e}); give "
+                         f"{AUDIO_FORMATS_SAID}") from None
     if not chunks:
         raise MediaError(f"{path}: the audio stream holds no samples")
     x = np.concatenate(chunks).astype(np.float32)
