@@ -272,3 +272,43 @@ def test_speech_in_a_container_outside_those_read_is_refused_unread(tmp_path, na
     said = str(refused.value)
     assert said.startswith(f"{tmp_path / name}: not an audio file in a format read here") \
         and "WAV" in said and "\n" not in said, said
+
+
+def test_speech_in_a_codec_outside_those_read_is_refused_undecoded(tmp_path):
+    """A WAV may carry any of FFmpeg's audio codecs; speech is decoded from the common ones
+    alone (formats.AUDIO_CODECS): another is refused in one line naming its codec."""
+    write_speech(tmp_path / "adpcm.wav", 1.0, 16000, "adpcm_ms", "s16")
+    with pytest.raises(MediaError) as refused:
+        read_audio(tmp_path / "adpcm.wav", RATE)
+    said = str(refused.value)
+    assert said == (f"{tmp_path / 'adpcm.wav'}: holds speech in the adpcm_ms codec, which is "
+                    "not read here; give PCM, MP3, AAC, Opus, Vorbis, FLAC or ALAC"), said
+
+
+def test_the_speech_of_a_video_clip_is_read(tmp_path):
+    """An MP4 with H.264 video and AAC speech (a recorded clip): its speech is read, its
+    video not decoded."""
+    path = tmp_path / "clip.mp4"
+    x = tone(1.0, RATE).astype(np.float32)
+    with av.open(str(path), "w") as c:
+        v = c.add_stream("libx264", rate=24)
+        v.width, v.height, v.pix_fmt = 64, 64, "yuv420p"
+        a = c.add_stream("aac", rate=RATE)
+        a.layout = "mono"
+        for k in range(24):
+            frame = av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), format="rgb24")
+            frame.pts = k
+            for p in v.encode(frame):
+                c.mux(p)
+        for i in range(0, RATE, 1024):
+            f = av.AudioFrame.from_ndarray(x[None, i:i + 1024].copy(), format="fltp",
+                                           layout="mono")
+            f.sample_rate, f.pts = RATE, i
+            for p in a.encode(f):
+                c.mux(p)
+        for stream in (v, a):
+            for p in stream.encode():
+                c.mux(p)
+    speech = read_audio(path, RATE)
+    assert abs(speech.numel() / RATE - 1.0) < 0.1
+    assert abs(float(speech.square().mean().sqrt()) - 0.3 / 2 ** 0.5) < 0.03

@@ -60,11 +60,18 @@ VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers that carry H.264
 # (MAX_SPEECH_S, 3 hours: 691 MB of 16 kHz float32) and an upload to --serve
 # (MAX_UPLOAD_SPEECH_S, 10 minutes).
 # The containers speech is read from, by FFmpeg's demuxer names (a file's format is still
-# found by probing it, among these alone): WAV (and Wave64), AIFF, CAF, MP3, ADTS AAC, Ogg
-# (Vorbis, Opus), FLAC, MP4/M4A/MOV, Matroska/WebM and AVI. FFmpeg has some three hundred
-# more, each a parser an upload could reach for nothing.
+# found by probing it, among these alone: FFmpeg's format_whitelist): WAV (and Wave64), AIFF,
+# CAF, MP3, ADTS AAC, Ogg, FLAC, MP4/M4A/MOV, Matroska/WebM and AVI. FFmpeg has some three
+# hundred more, each a parser an upload could reach for nothing.
 AUDIO_DEMUXERS = ("wav", "w64", "aiff", "caf", "mp3", "aac", "ogg", "flac", "mov", "matroska",
                   "avi")
+# The audio codecs speech is decoded from (FFmpeg's decoder names), in any of those
+# containers: PCM, MP3, AAC, Opus, Vorbis, FLAC, ALAC. Other decoders are not opened, in
+# probing (FFmpeg's codec_whitelist) or after.
+AUDIO_CODECS = ("pcm_s16le", "pcm_s16be", "pcm_s24le", "pcm_s24be", "pcm_s32le", "pcm_s32be",
+                "pcm_f32le", "pcm_f32be", "pcm_f64le", "pcm_u8", "pcm_alaw", "pcm_mulaw",
+                "mp3", "mp3float", "aac", "opus", "libopus", "vorbis", "flac", "alac")
+AUDIO_CODECS_SAID = "PCM, MP3, AAC, Opus, Vorbis, FLAC or ALAC"
 AUDIO_FORMATS_SAID = ("WAV, AIFF, CAF, MP3, AAC, Ogg (Vorbis, Opus), FLAC, M4A or MP4, WebM "
                       "or MKV, AVI")
 MIN_SAMPLE_RATE = 8_000

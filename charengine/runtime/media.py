@@ -16,8 +16,9 @@ import torch
 
 from charengine.paths import Held, make_dirs, missing_dirs, remove_dirs, remove_stale
 
-from .formats import (AUDIO_DEMUXERS, AUDIO_FORMATS_SAID, MAX_SAMPLE_RATE, MAX_SPEECH_S,
-                      MIN_SAMPLE_RATE, VIDEO_SUFFIXES, MediaError, source_of)
+from .formats import (AUDIO_CODECS, AUDIO_CODECS_SAID, AUDIO_DEMUXERS, AUDIO_FORMATS_SAID,
+                      MAX_SAMPLE_RATE, MAX_SPEECH_S, MIN_SAMPLE_RATE, VIDEO_SUFFIXES,
+                      MediaError, source_of)
 
 
 # Audio whose container declares a length is cut to it (encoders pad their last frame); one
@@ -51,8 +52,8 @@ def _audio_limits(path: str, stream, declared: float | None, max_seconds: float)
 
 def read_audio(src: str | Path | bytes, rate: int, warn=None,
                max_seconds: float = MAX_SPEECH_S) -> torch.Tensor:
-    """An audio file (a path or its bytes) in one of formats.AUDIO_DEMUXERS' containers, in
-    any audio codec PyAV decodes -> mono float32 samples at `rate` (stereo is averaged by
+    """An audio file (a path or its bytes) in one of formats.AUDIO_DEMUXERS' containers and
+    AUDIO_CODECS' codecs -> mono float32 samples at `rate` (stereo is averaged by
     the resampler, other rates converted), as long as the container says it is (an
     encoder's padding of the last frame dropped). Bounded before and while it
     is decoded (runtime/formats.py): a declared sample rate outside the speech range, a
@@ -62,10 +63,14 @@ def read_audio(src: str | Path | bytes, rate: int, warn=None,
     f, path = source_of(src)
     most = int(max_seconds * rate) + 1
     try:
-        with av.open(f, options={"format_whitelist": ",".join(AUDIO_DEMUXERS)}) as c:
+        with av.open(f, options={"format_whitelist": ",".join(AUDIO_DEMUXERS),
+                                 "codec_whitelist": ",".join(AUDIO_CODECS)}) as c:
             if not c.streams.audio:
                 raise MediaError(f"{path}: not an audio file (no audio stream)")
             stream = c.streams.audio[0]
+            if stream.codec_context.name not in AUDIO_CODECS:
+                raise MediaError(f"{path}: holds speech in the {stream.codec_context.name} "
+                                 f"codec, which is not read here; give {AUDIO_CODECS_SAID}")
             declared = (float(stream.duration * stream.time_base) if stream.duration
                         else c.duration / av.time_base if c.duration else None)
             if c.format.name == "wav":  # FFmpeg clamps a WAV's length to what the file holds
