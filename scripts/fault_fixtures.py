@@ -75,8 +75,10 @@ def write_audio(path: Path, x: np.ndarray, rate: int, codec: str, fmt: str) -> N
         s.layout = "mono"
         size = s.codec_context.frame_size or 1024
         sample_fmt = s.codec_context.format.name
+        pcm16 = sample_fmt.startswith("s16")  # the codec takes 16-bit integers
         for i in range(0, len(x), size):
-            chunk = np.ascontiguousarray(x[i:i + size], dtype=np.float32)[None]
+            chunk = x[i:i + size] * 32767 if pcm16 else x[i:i + size]
+            chunk = np.ascontiguousarray(chunk, dtype=np.int16 if pcm16 else np.float32)[None]
             frame = av.AudioFrame.from_ndarray(chunk, format=sample_fmt, layout="mono")
             frame.sample_rate, frame.pts = rate, i
             frame.time_base = Fraction(1, rate)
@@ -98,6 +100,8 @@ def make_audio(root: Path) -> None:
     data = (root / "truncated.wav").read_bytes()
     (root / "truncated.wav").write_bytes(data[:len(data) // 2])
     write_audio(root / "speech3s.m4a", np.resize(f, 3 * rate), rate, "aac", "ipod")
+    write_audio(root / "adpcm.wav", f[:rate], rate, "adpcm_ms", "wav")  # a codec not read
+    write_audio(root / "speech.au", f[:rate], rate, "pcm_s16be", "au")  # a container not read
     write_wav_s16(root / "1hz.wav", np.zeros(50_000, np.int16), 1)  # 128 kB: 50,000 s at 1 Hz
 
 
