@@ -20,8 +20,8 @@ from rich.table import Table
 
 
 from .access import Access, AccessError
-from .formats import (DEFAULT_BACKGROUND, FIT_POLICIES, MAX_IMAGE_PIXELS, VIDEO_SUFFIXES,
-                      ImageFit)
+from .formats import (AUDIO_FORMATS_SAID, DEFAULT_BACKGROUND, FIT_POLICIES, IMAGE_FORMATS,
+                      MAX_IMAGE_PIXELS, VIDEO_SUFFIXES, ImageFit)
 from .lifecycle import GRACE_PERIOD_S, STOP_SIGNALS
 from .prefetch import readahead_in_background
 from .probes import HEALTH_PORT
@@ -190,7 +190,7 @@ def side_networks_note(engine: Engine) -> str | None:
 @click.option("--engine", "engine_dir", type=click.Path(path_type=Path), required=True,
               help="Engine directory written by charbuild.")
 @click.option("--image", type=click.Path(path_type=Path),
-              help="Reference image of the character (PNG, JPEG, WebP, ...; at most "
+              help=f"Reference image of the character ({', '.join(IMAGE_FORMATS)}; at most "
                    f"{MAX_IMAGE_PIXELS // 1_000_000} megapixels).")
 @click.option("--fit", type=click.Choice(list(FIT_POLICIES)), default="cover", show_default=True,
               help="How an image of another shape is fitted to the model's frame: "
@@ -198,7 +198,8 @@ def side_networks_note(engine: Engine) -> str | None:
 @click.option("--background", default=DEFAULT_BACKGROUND, show_default=True,
               help="Colour that transparent pixels (and contain's margins) are laid on.")
 @click.option("--audio", "audio_path", type=click.Path(path_type=Path),
-              help="Speech (any format and rate PyAV reads; converted to 16 kHz mono).")
+              help=f"Speech ({AUDIO_FORMATS_SAID}; at any rate, converted to 16 kHz "
+                   "mono).")
 @click.option("--out", type=click.Path(path_type=Path),
               help=f"Video to write ({', '.join(VIDEO_SUFFIXES)}).")
 @click.option("--prompt", default="", help="Text prompt.")
