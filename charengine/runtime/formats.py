@@ -54,11 +54,6 @@ def data_url_bytes(url, what: str) -> bytes | None:
 
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers that carry H.264 + AAC
 
-# Speech is refused before it is decoded where its declared sample rate lies outside this
-# range (resampling 1 Hz to 16 kHz multiplies a file 16,000-fold) or its declared length is
-# over the cap, and while it is decoded once it holds more than the cap: a render's speech
-# (MAX_SPEECH_S, 3 hours: 691 MB of 16 kHz float32) and an upload to --serve
-# (MAX_UPLOAD_SPEECH_S, 10 minutes).
 # The containers speech is read from, by FFmpeg's demuxer names (a file's format is still
 # found by probing it, among these alone: FFmpeg's format_whitelist): WAV (and Wave64), AIFF,
 # CAF, MP3, ADTS AAC, Ogg, FLAC, MP4/M4A/MOV, Matroska/WebM and AVI. FFmpeg has some three
@@ -74,6 +69,12 @@ AUDIO_CODECS = ("pcm_s16le", "pcm_s16be", "pcm_s24le", "pcm_s24be", "pcm_s32le",
 AUDIO_CODECS_SAID = "PCM, MP3, AAC, Opus, Vorbis, FLAC or ALAC"
 AUDIO_FORMATS_SAID = ("WAV, AIFF, CAF, MP3, AAC, Ogg (Vorbis, Opus), FLAC, M4A or MP4, WebM "
                       "or MKV, AVI")
+
+# Speech is refused before it is decoded where its declared sample rate lies outside this
+# range (resampling 1 Hz to 16 kHz multiplies a file 16,000-fold) or its declared length is
+# over the cap, and while it is decoded once it holds more than the cap: a render's speech
+# (MAX_SPEECH_S, 3 hours: 691 MB of 16 kHz float32) and an upload to --serve
+# (MAX_UPLOAD_SPEECH_S, 10 minutes).
 MIN_SAMPLE_RATE = 8_000
 MAX_SAMPLE_RATE = 192_000
 MAX_SPEECH_S = 3 * 3600.0
@@ -88,11 +89,11 @@ FIT_POLICIES = {
 # 160 MB); smaller ones, below this fraction of the model's frame on either side, would be
 # enlarged past recognition.
 MAX_IMAGE_PIXELS = 40_000_000
+MIN_IMAGE_FRACTION = 0.25
 # The formats a reference image is read in: the ones photographs come in. Pillow opens some
 # forty more, among them EPS, which it hands to Ghostscript, and scientific and legacy
 # formats no face photo uses: each a decoder an upload could reach for nothing.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "AVIF", "GIF", "BMP", "TIFF")
-MIN_IMAGE_FRACTION = 0.25
 DEFAULT_BACKGROUND = "#ffffff"
 EXIF_ORIENTATION = 0x0112
 
