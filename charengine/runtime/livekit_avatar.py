@@ -98,11 +98,17 @@ def dispatch_metadata(text: str | None) -> dict:
         if meta.get(key) is not None and not isinstance(meta[key], str):
             raise BadDispatch(f"the job's metadata: '{key}' must be a string, not "
                               f"{type(meta[key]).__name__}")
+    dispatch_image(meta)
+    return meta
+
+
+def dispatch_image(meta: dict) -> bytes | None:
+    """The bytes of the image a job's metadata carries as a data: URL (None: none given);
+    BadDispatch where it is no data: URL or holds nothing."""
     try:
-        data_url_bytes(meta.get("image"), "the job's image")
+        return data_url_bytes(meta.get("image"), "the job's image")
     except MediaError as e:
         raise BadDispatch(str(e)) from None
-    return meta
 
 
 def frame_samples(rate: int, fps: int) -> int:
@@ -263,10 +269,7 @@ async def serve_room(room: rtc.Room, worker: Worker, meta: dict, audio_rate: int
     where, before the avatar leaves."""
     spec = worker.spec
     image = torch.full((3, spec.out_h, spec.out_w), 0.5)
-    try:
-        data = data_url_bytes(meta.get("image"), "the job's image")
-    except MediaError as e:
-        raise BadDispatch(str(e)) from None
+    data = dispatch_image(meta)
     if data is not None:
         try:
             image = await asyncio.get_running_loop().run_in_executor(
