@@ -126,12 +126,15 @@ def write_wav(path, x, rate=RATE):
 
 
 def write_audio(path, x, rate, codec, fmt):
+    """Samples in [-1, 1] -> `path`'s container (by its suffix) in `codec`, given frames of
+    sample format `fmt` (16-bit integers for "s16")."""
     with av.open(str(path), "w") as c:
         s = c.add_stream(codec, rate=rate)
         s.layout = "mono"
         n = s.codec_context.frame_size or 1024
         for i in range(0, len(x), n):
-            seg = x[i:i + n].astype(np.float32)
+            seg = (x[i:i + n] * 32767).astype(np.int16) if fmt == "s16" else \
+                x[i:i + n].astype(np.float32)
             f = av.AudioFrame.from_ndarray(seg[None], format=fmt, layout="mono")
             f.sample_rate, f.pts = rate, i
             for p in s.encode(f):
@@ -229,24 +232,6 @@ def test_a_photo_in_each_format_read_is_read(fmt):
     assert (pixels.mean((1, 2)) * 255 - torch.tensor([200.0, 120.0, 90.0])).abs().max() < 8
 
 
-def write_speech(path, seconds: float, rate: int, codec: str, fmt: str) -> None:
-    """A 220 Hz tone at 0.3 in `path`'s container (by its suffix), in `codec`."""
-    x = tone(seconds, rate)
-    samples = (x * 32767).astype(np.int16) if fmt == "s16" else x.astype(np.float32)
-    with av.open(str(path), "w") as c:
-        s = c.add_stream(codec, rate=rate)
-        s.layout = "mono"
-        n = s.codec_context.frame_size or 1024
-        for i in range(0, len(samples), n):
-            f = av.AudioFrame.from_ndarray(samples[None, i:i + n].copy(), format=fmt,
-                                           layout="mono")
-            f.sample_rate, f.pts = rate, i
-            for p in s.encode(f):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-
-
 @pytest.mark.parametrize("name,codec,rate,fmt", [
     ("s.wav", "pcm_s16le", 16000, "s16"), ("s.aiff", "pcm_s16be", 22050, "s16"),
     ("s.caf", "pcm_s16le", 16000, "s16"), ("s.mp3", "libmp3lame", 44100, "fltp"),
@@ -256,7 +241,7 @@ def write_speech(path, seconds: float, rate: int, codec: str, fmt: str) -> None:
     ("s.avi", "pcm_s16le", 16000, "s16"),
 ])
 def test_speech_in_each_format_read_is_read(tmp_path, name, codec, rate, fmt):
-    write_speech(tmp_path / name, 1.0, rate, codec, fmt)
+    write_audio(tmp_path / name, tone(1.0, rate), rate, codec, fmt)
     x = read_audio((tmp_path / name).read_bytes(), RATE)
     assert abs(x.numel() / RATE - 1.0) < 0.1, x.numel() / RATE
     assert abs(float(x.square().mean().sqrt()) - 0.3 / 2 ** 0.5) < 0.03
@@ -266,7 +251,7 @@ def test_speech_in_each_format_read_is_read(tmp_path, name, codec, rate, fmt):
 def test_speech_in_a_container_outside_those_read_is_refused_unread(tmp_path, name, codec):
     """FFmpeg reads some three hundred containers; speech is read from the common audio
     ones alone (formats.AUDIO_DEMUXERS): another is refused in one line naming those."""
-    write_speech(tmp_path / name, 1.0, 16000, codec, "s16")
+    write_audio(tmp_path / name, tone(1.0, 16000), 16000, codec, "s16")
     with pytest.raises(MediaError) as refused:
         read_audio(tmp_path / name, RATE)
     said = str(refused.value)
@@ -277,7 +262,7 @@ def test_speech_in_a_container_outside_those_read_is_refused_unread(tmp_path, na
 def test_speech_in_a_codec_outside_those_read_is_refused_undecoded(tmp_path):
     """A WAV may carry any of FFmpeg's audio codecs; speech is decoded from the common ones
     alone (formats.AUDIO_CODECS): another is refused in one line naming its codec."""
-    write_speech(tmp_path / "adpcm.wav", 1.0, 16000, "adpcm_ms", "s16")
+    write_audio(tmp_path / "adpcm.wav", tone(1.0, 16000), 16000, "adpcm_ms", "s16")
     with pytest.raises(MediaError) as refused:
         read_audio(tmp_path / "adpcm.wav", RATE)
     said = str(refused.value)
