@@ -1,6 +1,6 @@
 """Requests a client of charrun --serve can make, for the tests and scripts/fault_matrix.py:
-speech as a data URL, an offer whose body has barely begun to arrive, and an offer of many
-media sections."""
+speech as a data URL, an offer as the page makes it, an offer whose body has barely begun to
+arrive, and an offer of many media sections."""
 
 import asyncio
 import base64
@@ -44,20 +44,37 @@ def answer_of(s: socket.socket, timeout_s: float = 30.0) -> tuple[str, bytes]:
     return head.decode(), body
 
 
-def offer_of_sections(n: int) -> bytes:
-    """An offer's body whose SDP holds `n` audio media sections, each as aiortc offers one
-    (about 1.2 kB), bundled together."""
+def offer_sdp(*kinds: str, direction: str, events: bool = False) -> str:
+    """The SDP of an offer aiortc makes with one transceiver of `direction` per kind in
+    `kinds` and, with `events`, the page's data channel, from a client closed at once: it
+    will never connect."""
     from aiortc import RTCPeerConnection
 
-    async def one() -> str:
+    async def make() -> str:
         pc = RTCPeerConnection()
-        pc.addTransceiver("audio", direction="sendonly")
+        for kind in kinds:
+            pc.addTransceiver(kind, direction=direction)
+        if events:
+            pc.createDataChannel("events")
         await pc.setLocalDescription(await pc.createOffer())
         sdp = pc.localDescription.sdp
         await pc.close()
         return sdp
 
-    head, m, section = asyncio.run(one()).partition("m=audio")
+    return asyncio.run(make())
+
+
+def page_offer() -> bytes:
+    """An offer's body as the page makes it (video and audio to receive, the events
+    channel), from a client that will never connect."""
+    sdp = offer_sdp("video", "audio", direction="recvonly", events=True)
+    return json.dumps({"type": "offer", "sdp": sdp}).encode()
+
+
+def offer_of_sections(n: int) -> bytes:
+    """An offer's body whose SDP holds `n` audio media sections, each as aiortc offers one
+    (about 1.2 kB), bundled together."""
+    head, m, section = offer_sdp("audio", direction="sendonly").partition("m=audio")
     sections = "".join((m + section).replace("a=mid:0", f"a=mid:{k}") for k in range(n))
     head = head.replace("a=group:BUNDLE 0", "a=group:BUNDLE " + " ".join(map(str, range(n))))
     return json.dumps({"type": "offer", "sdp": head + sections}).encode()

@@ -26,6 +26,7 @@ import pytest
 from charengine.runtime.lifecycle import END_RESERVE_S
 from engines import ROOT, build_target
 from netns import can_netns, namespace
+from offers import page_offer
 from procs import still_running
 
 pytestmark = pytest.mark.slow
@@ -124,23 +125,6 @@ def engines(tmp_path_factory):
     return {"tiny": build_target(d), "tp2": build_target(d, "cpu-tiny-tp2")}
 
 
-def aiortc_offer() -> bytes:
-    """An offer as the page makes it, from a client that will never connect."""
-    from aiortc import RTCPeerConnection
-
-    async def make():
-        pc = RTCPeerConnection()
-        pc.addTransceiver("video", direction="recvonly")
-        pc.addTransceiver("audio", direction="recvonly")
-        pc.createDataChannel("events")
-        await pc.setLocalDescription(await pc.createOffer())
-        offer = {"sdp": pc.localDescription.sdp, "type": "offer"}
-        await pc.close()
-        return offer
-
-    return json.dumps(asyncio.run(make())).encode()
-
-
 def test_serve_probes_through_a_start_a_session_and_a_sigterm_that_drains_it(engines):
     """A TP engine: /healthz answers while the engine loads and /readyz says loading, then
     ready; an answered offer makes it busy (on the probe port and the page alike); SIGTERM
@@ -167,7 +151,7 @@ def test_serve_probes_through_a_start_a_session_and_a_sigterm_that_drains_it(eng
         assert len(ranks) == 2
         tree = psutil.Process(c.p.pid).children(recursive=True)
 
-        status, answer = http(page + "/offer", aiortc_offer())
+        status, answer = http(page + "/offer", page_offer())
         assert status == 200, answer
         status, body = c.probe("/readyz")
         assert status == 503 and body["state"] == "busy", body
@@ -182,7 +166,7 @@ def test_serve_probes_through_a_start_a_session_and_a_sigterm_that_drains_it(eng
             if status is not None:
                 drained.append((time.monotonic() - t, status, body.get("state")))
             if refused is None and drained and drained[-1][2] == "draining":
-                refused = http(page + "/offer", aiortc_offer())
+                refused = http(page + "/offer", page_offer())
             time.sleep(0.05)
         code, exited = c.p.wait(5), time.monotonic() - t
         # draining as soon as the signal is handled, and from then on
@@ -217,7 +201,7 @@ def test_a_tp_rank_that_dies_while_idle_is_started_afresh_and_the_worker_reads_r
         status, body = c.probe("/readyz")
         assert status == 503 and body["state"] == "loading", body
         assert "rank" in body["detail"], body
-        status, said = http(f"http://127.0.0.1:{port}/offer", aiortc_offer(), timeout=60)
+        status, said = http(f"http://127.0.0.1:{port}/offer", page_offer(), timeout=60)
         assert status == 200, said
         new = rank_processes(c.p.pid)  # the session's ranks: a fresh group
         assert len(new) == 2 and not {p.pid for p in new} & {p.pid for p in old}
@@ -238,7 +222,7 @@ def test_a_drain_that_cannot_end_gives_up_at_the_grace_period(engines):
     try:
         c.watch_start()
         ranks = rank_processes(c.p.pid)
-        assert http(f"http://127.0.0.1:{port}/offer", aiortc_offer())[0] == 200
+        assert http(f"http://127.0.0.1:{port}/offer", page_offer())[0] == 200
         time.sleep(0.5)
         ranks[0].suspend()
         code, took = c.sigterm()

@@ -5,7 +5,6 @@ rank of a TP engine within 2 s with exit 0. /status names the engine, the page's
 served, an upload's error names its file; the live numbers the page is pushed and /metrics
 come from one object, and a live session reports its states and its speech's latency."""
 
-import asyncio
 import base64
 import io
 import json
@@ -24,7 +23,7 @@ import pytest
 from PIL import Image
 
 from engines import build_target
-from offers import answer_of, slow_upload, wav_data_url
+from offers import answer_of, page_offer, slow_upload, wav_data_url
 from procs import still_running
 
 pytestmark = pytest.mark.slow
@@ -150,26 +149,11 @@ def test_metrics_answer_while_a_large_image_is_decoded(server):
     assert result["r"][0] == 400  # the SDP, read after the image
 
 
-def aiortc_offer() -> dict:
-    from aiortc import RTCPeerConnection
-
-    async def make():
-        pc = RTCPeerConnection()
-        pc.addTransceiver("video", direction="recvonly")
-        pc.addTransceiver("audio", direction="recvonly")
-        await pc.setLocalDescription(await pc.createOffer())
-        offer = {"sdp": pc.localDescription.sdp, "type": "offer"}
-        await pc.close()
-        return offer
-
-    return asyncio.run(make())
-
-
 def test_an_offer_whose_client_never_connects_frees_the_server(server):
-    offer = aiortc_offer()
-    status, _, data = server.request("/offer", json.dumps(offer).encode())
+    offer = page_offer()
+    status, _, data = server.request("/offer", offer)
     assert status == 200, data
-    status, ctype, data = server.request("/offer", json.dumps(offer).encode())
+    status, ctype, data = server.request("/offer", offer)
     assert status == 503 and "full: 1 session in progress" in error_of(status, ctype, data)
     number = json.loads(server.request("/status")[2])["sessions"]
     wait_for(lambda: json.loads(server.request("/status")[2])["state"] == "ready", 60)
@@ -200,7 +184,7 @@ def test_a_request_naming_another_host_is_refused_on_both_ports(server):
     for path in ("/healthz", "/readyz", "/metrics"):
         status, ctype, data = server.request(path, headers=evil, port=server.health_port)
         assert status == 403 and "--allow-host" in error_of(status, ctype, data), path
-    status, ctype, data = server.request("/offer", json.dumps(aiortc_offer()).encode(),
+    status, ctype, data = server.request("/offer", page_offer(),
                                          headers=evil)
     assert status == 403
     for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}"):
@@ -246,7 +230,7 @@ def test_json_nested_past_the_parsers_depth_gets_a_400(server):
 
 
 def test_control_requests_act_only_on_the_session_they_name(server):
-    status, _, data = server.request("/offer", json.dumps(aiortc_offer()).encode())
+    status, _, data = server.request("/offer", page_offer())
     assert status == 200, data
     token = json.loads(data)["session"]
     assert len(token) >= 22 and not token.isdigit()
@@ -265,7 +249,7 @@ def test_control_requests_act_only_on_the_session_they_name(server):
         {"session": token, "in_flight": "drop"}).encode())[0] == 200
     assert server.request("/stop", json.dumps({"session": token}).encode())[0] == 200
     assert json.loads(server.request("/status")[2])["state"] == "ready"
-    status, _, data = server.request("/offer", json.dumps(aiortc_offer()).encode())
+    status, _, data = server.request("/offer", page_offer())
     second = json.loads(data)["session"]
     assert status == 200 and second != token
     assert server.request("/stop", json.dumps({"session": token}).encode())[0] == 404
