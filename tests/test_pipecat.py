@@ -9,7 +9,8 @@ is the TTS's speech, delayed (WebRTC carries it as Opus both ways: equal in loud
 as docs/QUALITY.md measures it; other frames pass in order and the TTS's own audio does not;
 a barge-in ends the speech (within a chunk and the receiver's jitter buffer: measured by
 scripts/bench_pipecat.py, not asserted here, as no test asserts a wall-clock figure) and the
-next turn plays; EndFrame frees the server's place; a full server is an ErrorFrame with its sentence."""
+next turn plays; EndFrame frees the server's place; a full server is an ErrorFrame with its
+sentence, and so is an address that answers but not as charrun --serve."""
 
 import json
 import subprocess
@@ -251,6 +252,60 @@ def test_a_server_that_does_not_answer_is_an_error_frame_and_the_voice_goes_on(t
     assert len(got["errors"]) == 1 and "does not answer" in got["errors"][0], got
     assert got["frames"] == 0 and got["audio_kinds"] == ["TTSAudioRawFrame"], got
     assert got["audio_s"] >= 0.99, got  # the second of speech, whole
+
+
+ENGINE = {"family": "characters", "preset": "tiny", "fps": 16, "width": 64, "height": 64,
+          "sample_rate": 16000, "frames_per_step": 4}
+
+
+@pytest.mark.parametrize("status, offer, said", [
+    ("<html>a router's page</html>", None, "/status is not a JSON object"),
+    ('["a", "list"]', None, "/status is not a JSON object"),
+    ('{"engine": {"fps": 16}}', None, "its /status names no engine (KeyError: 'family')"),
+    (json.dumps({"engine": ENGINE}), '{"ok": true}',
+     "its answer to the offer has no session, sdp and type"),
+])
+def test_an_address_that_is_not_charrun_is_one_error_frame(tmp_path, status, offer, said):
+    """The URL of some other HTTP server (a common slip: another port of the machine): one
+    ErrorFrame saying the address does not answer as charrun --serve, no exception in the
+    pipeline, the bot's speech passing through."""
+    import http.server
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def answer(self, body: str | None):
+            data = (body or "<html>not found</html>").encode()
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.answer(status if self.path == "/status" else None)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.answer(offer if self.path == "/offer" else None)
+
+        def log_message(self, *args):
+            pass
+
+    c = clip(1.0, 64, np.random.default_rng(SEED))
+    sf.write(tmp_path / "speech.wav", c.audio, c.sample_rate)
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other) as other:
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{other.server_address[1]}/"
+        r = subprocess.run([sys.executable, str(ROOT / "scripts/pipecat_turns.py"), "--url",
+                            url, "--speech", str(tmp_path / "speech.wav"), "--lead-s", "0",
+                            "--tail-s", "0.2", "--quiet"],
+                           capture_output=True, text=True, timeout=120)
+        other.shutdown()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "exception processing" not in r.stderr, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["errors"] == [f"{url} answers, but not as charrun --serve does: {said}; is it "
+                             "the address of charrun --serve's page?"], got
+    assert got["frames"] == 0 and got["audio_kinds"] == ["TTSAudioRawFrame"], got
+    assert got["audio_s"] >= 0.99, got
 
 
 def test_the_example_bot_streams_the_character_to_a_visitor(served):

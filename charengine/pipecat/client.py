@@ -5,8 +5,8 @@ The client offers to receive the character's video and audio and to send one aud
 the speech the character is to speak (`SpeechTrack`: what `say` is given, paced at real time,
 silence between turns, as a microphone sends), opens the server's "events" channel and greets
 it with the session's id. The server's refusals (busy, full, draining, a bad image) come back
-as `Refused` carrying the server's own sentence; a peer that does not connect in time as
-`Unreachable`. A connection that drops or a session the server ends is told to `on_lost`
+as `Refused` carrying the server's own sentence; a peer that does not connect in time, or
+an address that answers but not as charrun --serve does, as `Unreachable`. A connection that drops or a session the server ends is told to `on_lost`
 with a sentence; what to do then (the service reconnects within its `Reconnect` policy) is
 the caller's."""
 
@@ -50,7 +50,8 @@ class Refused(RuntimeError):
 
 
 class Unreachable(ConnectionError):
-    """No session could be opened: the server does not answer, or its peer never connected."""
+    """No session could be opened: the server does not answer, answers but not as charrun
+    --serve does, or its peer never connected."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,16 @@ class EngineInfo:
     frames_per_step: int
 
     @classmethod
-    def of(cls, status: dict) -> "EngineInfo":
-        e = status["engine"]
-        return cls(e["family"], e["preset"], int(e["fps"]), int(e["width"]), int(e["height"]),
-                   int(e["sample_rate"]), int(e["frames_per_step"]))
+    def of(cls, status: dict, url: str) -> "EngineInfo":
+        """The engine of the server at `url` by its /status; Unreachable if that does not
+        read as charrun --serve's."""
+        try:
+            e = status["engine"]
+            return cls(str(e["family"]), str(e["preset"]), int(e["fps"]), int(e["width"]),
+                       int(e["height"]), int(e["sample_rate"]), int(e["frames_per_step"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise not_charrun(url, f"its /status names no engine ({type(err).__name__}: "
+                                   f"{err})") from None
 
     @property
     def step_s(self) -> float:
@@ -76,12 +83,25 @@ class EngineInfo:
         return self.frames_per_step / self.fps
 
 
+def retry_after_s(header: str | None) -> float | None:
+    """A Retry-After header's seconds; None without one or for its date form."""
+    try:
+        return float(header) if header else None
+    except ValueError:
+        return None
+
+
+def not_charrun(url: str, what: str) -> Unreachable:
+    return Unreachable(f"{url} answers, but not as charrun --serve does: {what}; is it the "
+                       "address of charrun --serve's page?")
+
+
 async def engine_info(url: str, timeout_s: float = HTTP_TIMEOUT_S) -> EngineInfo:
     """What the server at `url` serves (a bot sizes its video output by it); Refused or
     Unreachable as `CharacterClient.open`."""
     client = CharacterClient(url, on_video=None, on_audio=None, http_timeout_s=timeout_s)
     try:
-        return EngineInfo.of(await client._request("GET", "status"))
+        return EngineInfo.of(await client._request("GET", "status"), client.url)
     finally:
         await client.close(tell_server=False)
 
@@ -214,11 +234,16 @@ class CharacterClient:
                 try:
                     answer = await r.json(content_type=None)
                 except (json.JSONDecodeError, aiohttp.ContentTypeError, UnicodeDecodeError):
-                    answer = {"error": (await r.text())[:200] or r.reason}
+                    answer = None
+                if not isinstance(answer, dict):
+                    if r.status == 200:
+                        raise not_charrun(self.url, f"/{path} is not a JSON object")
+                    said = (await r.text())[:200] if answer is None else str(answer)[:200]
+                    answer = {"error": said or r.reason}
                 if r.status != 200:
                     retry = r.headers.get("Retry-After")
                     raise Refused(self.url, r.status, str(answer.get("error", r.reason)),
-                                  float(retry) if retry else None)
+                                  retry_after_s(retry))
                 return answer
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             raise Unreachable(f"charrun at {self.url} does not answer "
@@ -235,7 +260,7 @@ class CharacterClient:
             raise
 
     async def _open(self) -> EngineInfo:
-        self.info = EngineInfo.of(await self._request("GET", "status"))
+        self.info = EngineInfo.of(await self._request("GET", "status"), self.url)
         self.pc = pc = RTCPeerConnection(RTCConfiguration(iceServers=self.ice))
         self.speech = SpeechTrack(self.info.sample_rate)
         pc.addTransceiver(self.speech, direction="sendrecv")
@@ -262,6 +287,8 @@ class CharacterClient:
                 event = json.loads(message)
             except (TypeError, json.JSONDecodeError):
                 return
+            if not isinstance(event, dict):
+                return
             if event.get("type") == "error":
                 self._lost(f"charrun at {self.url}: {event.get('message')}")
             elif event.get("type") == "ended" and not self.closing:
@@ -272,6 +299,8 @@ class CharacterClient:
         offer = {"sdp": pc.localDescription.sdp, "type": "offer", "prompt": self.prompt,
                  "image": self.image, "image_name": self.image_name}
         answer = await self._request("POST", "offer", offer)
+        if not all(isinstance(answer.get(k), str) for k in ("session", "sdp", "type")):
+            raise not_charrun(self.url, "its answer to the offer has no session, sdp and type")
         self.session = answer["session"]
         events.on("open", lambda: events.send(json.dumps({"type": "hello",
                                                           "session": self.session})))
