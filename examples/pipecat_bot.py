@@ -13,7 +13,8 @@ then open http://localhost:7860/client/ (Pipecat's prebuilt page) and press Conn
 pipeline is the visitor's audio (SmallWebRTCTransport), `Echo` (their speech as the bot's
 TTS audio), `CharacterVideoService` (the character speaking it) and the transport's output
 (the character's video and voice). A real bot puts speech-to-text, an LLM and TTS where
-`Echo` is; the README shows that pipeline.
+`Echo` is; the README shows that pipeline. When charrun cannot be reached as a visitor comes,
+the visitor hears the bot without its character, and one line says why.
 """
 
 import argparse
@@ -28,7 +29,7 @@ from pipecat.runner.utils import create_transport
 from pipecat.transports.base_transport import BaseTransport, TransportParams
 from pipecat.workers.runner import WorkerRunner
 
-from charengine.pipecat import CharacterVideoService, engine_info
+from charengine.pipecat import CharacterVideoService, Refused, Unreachable, engine_info
 
 
 class Echo(FrameProcessor):
@@ -43,9 +44,10 @@ class Echo(FrameProcessor):
         await self.push_frame(frame, direction)
 
 
-async def run_bot(transport: BaseTransport, args: argparse.Namespace):
-    video = CharacterVideoService(args.charrun, args.image, prompt=args.prompt)
-    pipeline = Pipeline([transport.input(), Echo(), video, transport.output()])
+async def run_bot(transport: BaseTransport, args: argparse.Namespace, character: bool):
+    video = [CharacterVideoService(args.charrun, args.image, prompt=args.prompt)] \
+        if character else []
+    pipeline = Pipeline([transport.input(), Echo(), *video, transport.output()])
     worker = PipelineWorker(pipeline, params=PipelineParams(enable_metrics=True))
 
     @transport.event_handler("on_client_disconnected")
@@ -57,15 +59,21 @@ async def run_bot(transport: BaseTransport, args: argparse.Namespace):
 
 
 async def bot(runner_args: RunnerArguments):
-    """The runner's entry point: one pipeline per visitor, one charrun session each."""
+    """The runner's entry point: one pipeline per visitor, one charrun session each. With no
+    charrun to be had, the visitor hears the bot without its character (one line says why)."""
     args = runner_args.cli_args
-    engine = await engine_info(args.charrun)  # the character's frame size and rate
+    try:
+        engine = await engine_info(args.charrun)  # the character's frame size and rate
+        video = dict(video_out_enabled=True, video_out_is_live=True,
+                     video_out_width=engine.width, video_out_height=engine.height,
+                     video_out_framerate=engine.fps)
+    except (Refused, Unreachable) as e:
+        logger.error(f"a visitor hears the bot without its character: {e}")
+        engine, video = None, {}
     transport = await create_transport(runner_args, {
-        "webrtc": lambda: TransportParams(
-            audio_in_enabled=True, audio_out_enabled=True, video_out_enabled=True,
-            video_out_is_live=True, video_out_width=engine.width,
-            video_out_height=engine.height, video_out_framerate=engine.fps)})
-    await run_bot(transport, args)
+        "webrtc": lambda: TransportParams(audio_in_enabled=True, audio_out_enabled=True,
+                                          **video)})
+    await run_bot(transport, args, character=engine is not None)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -2,7 +2,8 @@
 tests inside their network namespace: it offers to the bot's /api/offer (what Pipecat's
 prebuilt page posts), sends a speech file as its microphone after --lead-s, receives the
 bot's video and audio for --seconds, and prints one JSON line: the video frames and their
-size, the audio's seconds and its voiced seconds."""
+size, the audio's seconds and its voiced seconds, and the connection's state at the end
+(before the visitor closes it)."""
 
 import argparse
 import asyncio
@@ -64,6 +65,7 @@ async def main(args) -> None:
     await asyncio.sleep(args.lead_s)
     mic.push(read_speech(args.speech))
     await asyncio.sleep(args.seconds - args.lead_s)
+    got["state"] = pc.connectionState
     await pc.close()
     for task in tasks:
         task.cancel()

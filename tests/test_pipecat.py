@@ -335,6 +335,44 @@ def test_the_example_bot_streams_the_character_to_a_visitor(served):
         bot.wait(30)
 
 
+def test_the_example_bot_without_its_server_is_heard_without_its_character(tmp_path):
+    """examples/pipecat_bot.py whose charrun is not running: each visitor hears the bot
+    (their speech echoed) with no video, the bot says why in one line a visitor (no
+    traceback) and stays up for the next."""
+    if not can_netns():
+        pytest.skip("needs root and iproute2 (network namespaces) for WebRTC peers")
+    c = clip(1.0, 64, np.random.default_rng(SEED))
+    sf.write(tmp_path / "speech.wav", c.audio, c.sample_rate)
+    with namespace("charpb", "10.233.7") as name:
+        netns = ["ip", "netns", "exec", name]
+        bot = subprocess.Popen([*netns, sys.executable, str(ROOT / "examples/pipecat_bot.py"),
+                                "--charrun", PAGE, "--host", "127.0.0.1", "--port", "7860"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(iter(bot.stdout.readline, "")),
+                         daemon=True).start()
+        try:
+            assert wait(lambda: any("Uvicorn running" in ln for ln in lines), 60), \
+                "".join(lines)
+            for _ in range(2):
+                v = subprocess.run([*netns, sys.executable, str(ROOT / "tests/pipecat_visitor.py"),
+                                    "--url", BOT, "--speech", str(tmp_path / "speech.wav"),
+                                    "--lead-s", "0", "--seconds", "4"],
+                                   capture_output=True, text=True, timeout=120)
+                assert v.returncode == 0, v.stderr[-3000:]
+                got = json.loads(v.stdout.strip().splitlines()[-1])
+                assert got["state"] == "connected" and got["frames"] == 0, got
+                assert got["voiced_s"] > 0.5, got  # the second of speech, echoed
+            assert bot.poll() is None, "".join(lines[-40:])
+        finally:
+            bot.terminate()
+            bot.wait(30)
+    said = [ln for ln in lines if "hears the bot without its character" in ln]
+    assert len(said) == 2 and all(f"charrun at {PAGE} does not answer" in ln for ln in said), \
+        "".join(lines[-40:])
+    assert "Traceback" not in "".join(lines), "".join(lines[-80:])
+
+
 def test_two_bots_share_a_server_one_session_each(served):
     """charrun --serve --sessions 2: two bots' pipelines at once, each its own session
     (the server's capacity reads 2 and both are active while they run)."""
