@@ -13,7 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from charengine.runtime.formats import MAX_IMAGE_PIXELS, ImageFit, MediaError
+from charengine.runtime.formats import (AUDIO_FORMATS_SAID, MAX_IMAGE_PIXELS, ImageFit,
+                                        MediaError)
 from charengine.runtime.images import load_image
 from charengine.runtime.media import read_audio
 
@@ -254,9 +255,17 @@ def test_speech_in_a_container_outside_those_read_is_refused_unread(tmp_path, na
     write_audio(tmp_path / name, tone(1.0, 16000), 16000, codec, "s16")
     with pytest.raises(MediaError) as refused:
         read_audio(tmp_path / name, RATE)
-    said = str(refused.value)
-    assert said.startswith(f"{tmp_path / name}: not an audio file in a format read here") \
-        and "WAV" in said and "\n" not in said, said
+    assert str(refused.value) == (f"{tmp_path / name}: not an audio file in a format read "
+                                  f"here; give {AUDIO_FORMATS_SAID}")
+
+
+def test_a_file_of_no_format_ffmpeg_knows_is_refused_with_its_words(tmp_path):
+    (tmp_path / "notes.wav").write_text("a shopping list, not speech\n")
+    with pytest.raises(MediaError) as refused:
+        read_audio(tmp_path / "notes.wav", RATE)
+    assert str(refused.value) == (
+        f"{tmp_path / 'notes.wav'}: not an audio file in a format read here (Invalid data "
+        f"found when processing input); give {AUDIO_FORMATS_SAID}")
 
 
 def test_speech_in_a_codec_outside_those_read_is_refused_undecoded(tmp_path):

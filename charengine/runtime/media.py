@@ -4,6 +4,7 @@ frames. Reference images are read by images.py."""
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import tempfile
@@ -62,9 +63,11 @@ def read_audio(src: str | Path | bytes, rate: int, warn=None,
     before its declared length."""
     f, path = source_of(src)
     most = int(max_seconds * rate) + 1
+    opened = False
     try:
         with av.open(f, options={"format_whitelist": ",".join(AUDIO_DEMUXERS),
                                  "codec_whitelist": ",".join(AUDIO_CODECS)}) as c:
+            opened = True
             if not c.streams.audio:
                 raise MediaError(f"{path}: not an audio file (no audio stream)")
             stream = c.streams.audio[0]
@@ -88,7 +91,10 @@ def read_audio(src: str | Path | bytes, rate: int, warn=None,
                                      "cut it into parts")
             chunks += [f.to_ndarray().reshape(-1) for f in rs.resample(None)]
     except av.FFmpegError as e:
-        raise MediaError(f"{path}: not an audio file in a format read here ({e}); give "
+        # EINVAL on opening: FFmpeg knows the file's format, one outside the list it was
+        # given (its own words would read "Invalid argument")
+        why = "" if e.errno == errno.EINVAL and not opened else f" ({e.strerror})"
+        raise MediaError(f"{path}: not an audio file in a format read here{why}; give "
                          f"{AUDIO_FORMATS_SAID}") from None
     if not chunks:
         raise MediaError(f"{path}: the audio stream holds no samples")
