@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_density import stop
+
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ("serve_wide.png", "serve_phone.png")
 READY_TIMEOUT_S = 120
@@ -71,13 +73,13 @@ def main() -> None:
                             "cpu-tiny", "--out", str(engine)], check=True)
         notes = tmp / "notes.txt"
         notes.write_text("not a face, not a voice\n")
-        log = open(tmp / "server.log", "w")
-        server = subprocess.Popen(prefix + [sys.executable, "-m", "charengine.runtime.cli",
-                                            "--engine", str(engine), "--serve",
-                                            "--port", str(args.port),
-                                            "--health-port", str(args.health_port)],
-                                  stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{args.port}/"
+        with open(tmp / "server.log", "w") as log:
+            server = subprocess.Popen(prefix + [sys.executable, "-m", "charengine.runtime.cli",
+                                                "--engine", str(engine), "--serve",
+                                                "--port", str(args.port),
+                                                "--health-port", str(args.health_port)],
+                                      stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait(url, prefix, server, tmp / "server.log")
             subprocess.run(prefix + [sys.executable, str(ROOT / "tests/browser_client.py"),
@@ -88,8 +90,7 @@ def main() -> None:
                                      "--chromium", args.chromium],
                            check=True, stdout=subprocess.DEVNULL)
         finally:
-            server.terminate()
-            server.wait()
+            stop(server)
         args.out.mkdir(parents=True, exist_ok=True)
         for name in SHOTS:
             shutil.copyfile(tmp / "shots" / name, args.out / name)
