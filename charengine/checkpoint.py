@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .paths import not_a_file
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -107,8 +109,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _read_file(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of one safetensors file; a missing or unreadable file is one line."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
+    if (why := not_a_file(path)) is not None:
+        raise CheckpointError(f"{path}: {why}")
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}

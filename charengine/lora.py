@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import CheckpointError
+from .paths import not_a_file
 
 # (down, up) suffixes of the two layouts, and the prefixes trainers put before module names
 LAYOUTS = ((".lora_A.weight", ".lora_B.weight"), (".lora_down.weight", ".lora_up.weight"))
@@ -78,8 +79,8 @@ def _metadata_alpha(meta: dict[str, str] | None) -> float | None:
 def read_lora(path: Path) -> LoRA:
     """The adapters of a LoRA file; one line for a file that is not one."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
+    if (why := not_a_file(path)) is not None:
+        raise CheckpointError(f"{path}: {why}")
     try:
         with safe_open(str(path), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}

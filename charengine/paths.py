@@ -1,8 +1,9 @@
 """Outputs' directories and temporary siblings: the directories missing above an output,
 made on request and removed again when it is not written (charbuild's engine directory,
 charrun's video); the temporary files and directories an output is written in, held by
-their live writer (a flock) so that the next run removes those a killed one left; and the
-one writer of an output (charbuild's --out)."""
+their live writer (a flock) so that the next run removes those a killed one left; the
+one writer of an output (charbuild's --out); and what an input that should be a file is
+when it is not one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ import fcntl
 import os
 import shutil
 from pathlib import Path
+
+
+def not_a_file(path: Path) -> str | None:
+    """What a path given as an input file is, said for a one-line error, when it is not a
+    regular file (None when it is): missing, a directory, or a device, pipe or socket (which
+    could block or never end)."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "is a directory, not a file"
+    if path.exists():
+        return "is not a regular file (a device, pipe or socket)"
+    return "no such file"
 
 
 def missing_dirs(path: Path) -> tuple[list[Path], Path]:

@@ -207,6 +207,8 @@ def render_cases() -> list[Case]:
                audio="speech.au"),
         render("render-adpcm-wav", refused(r"adpcm_ms codec, which is not read here"),
                audio="adpcm.wav"),
+        render("render-speech-from-dev-zero", refused(r"not a regular file"),
+               audio="/dev/zero"),
         render("render-missing-engine", refused(r"not an engine directory"),
                engine="no-engine"),
         render("render-manifest-list", refused(r"JSON object"), engine="eng-list",

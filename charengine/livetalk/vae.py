@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import CheckpointError, check_tensors
+from ..paths import not_a_file
 from .vae_blocks import CausalConv3d, Decoder, Encoder, StreamState
 
 WHAT = "the Wan 2.1 VAE"
@@ -137,8 +138,8 @@ def load_vae(path: str | Path, spec: VaeSpec = WAN21) -> dict[str, torch.Tensor]
     `spec`. Only tensors are unpickled; anything else, a missing or unreadable file, or a
     missing, extra, misshapen or non-finite tensor is one CheckpointError line."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file ({WHAT}, Wan2.1_VAE.pth)")
+    if (why := not_a_file(path)) is not None:
+        raise CheckpointError(f"{path}: {why} ({WHAT}, Wan2.1_VAE.pth)")
     try:
         with warnings.catch_warnings():  # torch's notes on a file it refuses: the line says it
             warnings.simplefilter("ignore")

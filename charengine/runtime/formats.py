@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from charengine.paths import not_a_file
+
 
 class MediaError(ValueError):
     pass
@@ -23,8 +25,8 @@ def source_of(src: str | Path | bytes):
     if isinstance(src, (bytes, bytearray)):
         return io.BytesIO(src), UPLOAD
     path = Path(src)
-    if not path.is_file():
-        raise MediaError(f"{path}: no such file")
+    if (why := not_a_file(path)) is not None:
+        raise MediaError(f"{path}: {why}")
     return str(path), str(path)
 
 
