@@ -2,8 +2,9 @@
 made on request and removed again when it is not written (charbuild's engine directory,
 charrun's video); the temporary files and directories an output is written in, held by
 their live writer (a flock) so that the next run removes those a killed one left; the
-one writer of an output (charbuild's --out); and what an input that should be a file is
-when it is not one."""
+one writer of an output (charbuild's --out); what an input that should be a file is when
+it is not one; and the path options of charbuild and charrun, whose names the file system
+must be able to take."""
 
 from __future__ import annotations
 
@@ -12,18 +13,65 @@ import os
 import shutil
 from pathlib import Path
 
+import click
+
+NAME_MAX = 255  # bytes of one name, where the file system does not say (Linux's)
+PATH_MAX = 4096  # bytes of a whole path, as the kernel takes it
+
+
+class PathOption(click.Path):
+    """A path option (a pathlib.Path) whose names the file system can take: one longer than
+    its NAME_MAX, or a path longer than PATH_MAX, is a usage error in one line here rather
+    than an OSError from whichever call first meets it."""
+
+    def __init__(self):
+        super().__init__(path_type=Path)
+
+    def convert(self, value, param, ctx):
+        path = super().convert(value, param, ctx)
+        raw = os.fsencode(path)
+        if len(raw) >= PATH_MAX:
+            self.fail(f"{len(raw):,} bytes long, more than a path may be ({PATH_MAX - 1:,})",
+                      param, ctx)
+        most = name_max(Path(path))
+        for name in Path(path).parts:
+            if len(os.fsencode(name)) > most:
+                self.fail(f"the name {name[:40]}... is {len(os.fsencode(name))} bytes long, "
+                          f"more than the file system takes ({most})", param, ctx)
+        return path
+
+
+def name_max(path: Path) -> int:
+    """The longest name the file system under `path` takes (its nearest existing
+    directory's), NAME_MAX where it does not say."""
+    parent = Path(path).absolute()
+    while parent != parent.parent:
+        try:
+            if parent.is_dir():
+                break
+        except OSError:  # a name too long to look up, among others
+            pass
+        parent = parent.parent
+    try:
+        return os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return NAME_MAX
+
 
 def not_a_file(path: Path) -> str | None:
     """What a path given as an input file is, said for a one-line error, when it is not a
     regular file (None when it is): missing, a directory, or a device, pipe or socket (which
     could block or never end)."""
     path = Path(path)
-    if path.is_file():
-        return None
-    if path.is_dir():
-        return "is a directory, not a file"
-    if path.exists():
-        return "is not a regular file (a device, pipe or socket)"
+    try:
+        if path.is_file():
+            return None
+        if path.is_dir():
+            return "is a directory, not a file"
+        if path.exists():
+            return "is not a regular file (a device, pipe or socket)"
+    except OSError as e:  # a name too long, a loop of links, no permission to look
+        return f"cannot be looked up ({e.strerror})"
     return "no such file"
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from charengine.paths import not_a_file
 from charengine.target import Target
 
 PACKAGE_DIR = Path(str(resources.files("charengine")))
@@ -22,7 +23,7 @@ def find_target(name: str) -> Target:
     path = Path(name)
     if not path.suffix:
         path = TARGETS_DIR / f"{name}.toml"
-    if not path.is_file():
+    if not_a_file(path) is not None:
         known = ", ".join(sorted(p.stem for p in TARGETS_DIR.glob("*.toml")))
         raise ValueError(f"unknown target {name!r}; known targets: {known}")
     try:

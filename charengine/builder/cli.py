@@ -13,6 +13,7 @@ import click
 
 from charengine.checkpoint import CheckpointError
 from charengine.family import FAMILIES, all_presets, family
+from charengine.paths import PathOption
 
 from .build_config import CHECKPOINTS_DIR, BuildConfig, find_target
 
@@ -47,7 +48,7 @@ def family_inputs(command):
     """`command` with one option per family build input (a path or a text), its help line
     naming the families that take it."""
     for inp, names in reversed(list(build_inputs().values())):
-        kind = {"type": click.Path(path_type=Path)} if inp.path else {"default": ""}
+        kind = {"type": PathOption()} if inp.path else {"default": ""}
         command = click.option(inp.flag, inp.name, help=f"{', '.join(names)}: {inp.help}",
                                **kind)(command)
     return command
@@ -107,15 +108,15 @@ def write_failure(e: BaseException) -> str | None:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--target", "target_name", required=True,
               help="Target name (a file in charengine/targets/) or a path to a target .toml.")
-@click.option("--out", type=click.Path(path_type=Path), required=True,
+@click.option("--out", type=PathOption(), required=True,
               help="Engine directory to write: a new or empty directory, or an engine "
                    "directory, which is replaced once the new engine is complete.")
-@click.option("--weights", type=click.Path(path_type=Path),
+@click.option("--weights", type=PathOption(),
               help="Full-precision safetensors checkpoint of the model (its family's layout: "
                    "charengine/characters/weights.py, charengine/livetalk/weights.py): one "
                    "file, or shards by their *.safetensors.index.json (or its directory).")
 @click.option("--random-weights", is_flag=True, help="Random weights of the exact shapes.")
-@click.option("--lora", type=click.Path(path_type=Path),
+@click.option("--lora", type=PathOption(),
               help="A LoRA (safetensors, PEFT's or kohya's layout, its rank and alpha from the "
                    "file) merged into the weights before they are quantized.")
 @click.option("--random-side-networks", is_flag=True,

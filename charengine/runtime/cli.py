@@ -10,7 +10,6 @@ import socket
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -19,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
+from ..paths import PathOption
 from .access import Access, AccessError
 from .formats import (AUDIO_FORMATS_SAID, DEFAULT_BACKGROUND, FIT_POLICIES, IMAGE_FORMATS,
                       MAX_IMAGE_PIXELS, VIDEO_SUFFIXES, ImageFit)
@@ -187,9 +187,9 @@ def side_networks_note(engine: Engine) -> str | None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--engine", "engine_dir", type=click.Path(path_type=Path), required=True,
+@click.option("--engine", "engine_dir", type=PathOption(), required=True,
               help="Engine directory written by charbuild.")
-@click.option("--image", type=click.Path(path_type=Path),
+@click.option("--image", type=PathOption(),
               help=f"Reference image of the character ({', '.join(IMAGE_FORMATS)}; at most "
                    f"{MAX_IMAGE_PIXELS // 1_000_000} megapixels).")
 @click.option("--fit", type=click.Choice(list(FIT_POLICIES)), default="cover", show_default=True,
@@ -197,10 +197,10 @@ def side_networks_note(engine: Engine) -> str | None:
                    + "; ".join(f"{k}: {v}" for k, v in FIT_POLICIES.items()) + ".")
 @click.option("--background", default=DEFAULT_BACKGROUND, show_default=True,
               help="Colour that transparent pixels (and contain's margins) are laid on.")
-@click.option("--audio", "audio_path", type=click.Path(path_type=Path),
+@click.option("--audio", "audio_path", type=PathOption(),
               help=f"Speech ({AUDIO_FORMATS_SAID}; at any rate, converted to 16 kHz "
                    "mono).")
-@click.option("--out", type=click.Path(path_type=Path),
+@click.option("--out", type=PathOption(),
               help=f"Video to write ({', '.join(VIDEO_SUFFIXES)}).")
 @click.option("--prompt", default="", help="Text prompt.")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
