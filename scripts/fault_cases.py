@@ -419,6 +419,8 @@ def hostile_request_cases(serve: list[str]) -> list[Case]:
              offer_with(speech=wav_data_url(1, 50_000)), "100 kB WAV declaring 1 Hz"),
         case("serve-speech-601s", 400, "POST", "/offer",
              offer_with(speech=wav_data_url(8000, 8000 * 601)), "601 s of speech"),
+        case("serve-prompt-60MB", 400, "POST", "/offer",
+             offer_with(prompt="a face speaking " * 3_750_000), "a prompt of 60 MB"),
         case("serve-stop-without-session", 400, "POST", "/stop", lambda: b"{}",
              "no session id"),
         case("serve-stop-another-session", 404, "POST", "/stop",

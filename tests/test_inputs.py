@@ -70,6 +70,24 @@ def test_a_name_longer_than_the_file_system_takes_is_a_usage_error(tmp_path, mon
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_prompt_past_what_is_taken_is_a_usage_error(tmp_path, monkeypatch):
+    """charrun --prompt as the server's and LiveKit's prompts (test_server, test_livekit):
+    one line, exit 2, before the engine is looked at."""
+    from click.testing import CliRunner
+
+    from charengine.runtime.cli import main as charrun
+    from charengine.runtime.formats import MAX_PROMPT_CHARS, prompt_problem
+
+    assert prompt_problem("a" * MAX_PROMPT_CHARS) is None
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(charrun, ["--engine", "no-engine", "--serve", "--prompt",
+                                     "a" * (MAX_PROMPT_CHARS + 1)])
+    assert r.exit_code == 2, (r.output, r.exception)
+    assert r.output.strip().splitlines()[-1] == (
+        "Error: Invalid value for '--prompt': is 10,001 characters long; at most 10,000 are "
+        "taken (the text encoder reads a few hundred tokens)"), r.output
+
+
 def test_a_name_too_long_to_look_up_is_one_line_where_it_is_read(tmp_path):
     """Past the options (a target's name, a path a library call is given)."""
     from charengine.builder.build_config import find_target

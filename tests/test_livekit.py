@@ -468,6 +468,7 @@ def test_a_worker_of_two_sessions_takes_two_jobs_reports_its_load_and_ends_both(
     ("{not json", "not JSON"), ("[1, 2]", "a JSON list, not an object"),
     ('{"image": 5}', "'image' must be a string, not int"),
     ('{"prompt": ["a"]}', "'prompt' must be a string, not list"),
+    (json.dumps({"prompt": "a" * 10_001}), "'prompt' is 10,001 characters long; at most"),
     ('{"image": "http://example.com/face.png"}', "image: expected a data: URL"),
     ('{"image": "data:image/png;base64,"}', "image: the file is empty"),
 ])

@@ -213,6 +213,7 @@ def test_a_post_must_be_json_from_the_pages_own_origin_or_no_page(server):
     ({"fit": ["cover"]}, "'fit' must be a string"),
     ({"background": {"r": 1}}, "'background' must be a string"),
     ({"prompt": 5}, "'prompt' must be a string"),
+    ({"prompt": "a" * 10_001}, "'prompt' is 10,001 characters long; at most 10,000 are taken"),
     ({"speech": "data:audio/wav;base64,"}, "the file is empty"),
     ({"image": "data:image/png;base64,"}, "the file is empty"),
     ({"speech": wav_data_url(1, 50_000)}, "declares a sample rate of 1 Hz"),

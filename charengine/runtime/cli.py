@@ -21,7 +21,8 @@ from rich.table import Table
 from ..paths import PathOption
 from .access import Access, AccessError
 from .formats import (AUDIO_FORMATS_SAID, DEFAULT_BACKGROUND, FIT_POLICIES, IMAGE_FORMATS,
-                      MAX_IMAGE_PIXELS, VIDEO_SUFFIXES, ImageFit)
+                      MAX_IMAGE_PIXELS, MAX_PROMPT_CHARS, VIDEO_SUFFIXES, ImageFit,
+                      prompt_problem)
 from .lifecycle import GRACE_PERIOD_S, STOP_SIGNALS
 from .prefetch import readahead_in_background
 from .probes import HEALTH_PORT
@@ -202,7 +203,7 @@ def side_networks_note(engine: Engine) -> str | None:
                    "mono).")
 @click.option("--out", type=PathOption(),
               help=f"Video to write ({', '.join(VIDEO_SUFFIXES)}).")
-@click.option("--prompt", default="", help="Text prompt.")
+@click.option("--prompt", default="", help=f"Text prompt (at most {MAX_PROMPT_CHARS:,} characters).")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
               help="Noise seed.")
 @click.option("--serve", is_flag=True, help="Serve a local page that streams over WebRTC.")
@@ -275,6 +276,8 @@ def run(cfg: RunConfig):
     """Run the mode `cfg` selects (RunConfig.mode); bad input ends in one line. Once the
     input is checked, the engine's files are read into the page cache in the background
     (runtime/prefetch.py) while torch is imported."""
+    if (why := prompt_problem(cfg.prompt)) is not None:
+        raise click.BadParameter(why, param_hint="'--prompt'")
     if cfg.sessions != AUTO and cfg.batch > cfg.sessions:
         raise click.UsageError(f"--batch {cfg.batch} is more than the {cfg.sessions} "
                                "session(s) of --sessions")

@@ -54,6 +54,14 @@ def data_url_bytes(url, what: str) -> bytes | None:
     return data
 
 
+def prompt_problem(prompt: str) -> str | None:
+    """Why a prompt is refused, said after its name (one line), None when it is taken."""
+    if len(prompt) > MAX_PROMPT_CHARS:
+        return (f"is {len(prompt):,} characters long; at most {MAX_PROMPT_CHARS:,} are taken "
+                "(the text encoder reads a few hundred tokens)")
+    return None
+
+
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers that carry H.264 + AAC
 
 # The containers speech is read from, by FFmpeg's demuxer names (a file's format is still
@@ -98,6 +106,11 @@ MIN_IMAGE_FRACTION = 0.25
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "AVIF", "GIF", "BMP", "TIFF")
 DEFAULT_BACKGROUND = "#ffffff"
 EXIF_ORIENTATION = 0x0112
+# A prompt is read by a text encoder of a few hundred tokens (umT5: 512, some 2,000 to 3,000
+# characters of English); a longer one is refused rather than cleaned and tokenized whole
+# under the side networks' lock, where every live session's audio and decoding wait (a 60 MB
+# prompt: 7.6 s of a CPU core for the tiny LiveTalk encoder alone).
+MAX_PROMPT_CHARS = 10_000
 
 
 def parse_colour(text: str) -> tuple[int, int, int]:

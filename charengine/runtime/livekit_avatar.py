@@ -45,7 +45,7 @@ from livekit.agents.voice.avatar import (AudioSegmentEnd, AvatarOptions, AvatarR
                                          DataStreamAudioReceiver, QueueAudioOutput,
                                          VideoGenerator)
 
-from .formats import ImageFit, MediaError, data_url_bytes, upload_message
+from .formats import ImageFit, MediaError, data_url_bytes, prompt_problem, upload_message
 from .garbage import collect_after_session
 from .images import read_image
 from .lifecycle import STOP_SIGNALS, Drain, keep_ranks
@@ -98,6 +98,8 @@ def dispatch_metadata(text: str | None) -> dict:
         if meta.get(key) is not None and not isinstance(meta[key], str):
             raise BadDispatch(f"the job's metadata: '{key}' must be a string, not "
                               f"{type(meta[key]).__name__}")
+    if (why := prompt_problem(meta.get("prompt") or "")) is not None:
+        raise BadDispatch(f"the job's metadata: 'prompt' {why}")
     dispatch_image(meta)
     return meta
 

@@ -50,7 +50,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 
 from .access import JSON_TYPE, UPLOAD_RETRY_AFTER_S, Access, UploadGate, same_token
 from .formats import (MAX_UPLOAD_SPEECH_S, ImageFit, MediaError, data_url_bytes,
-                      upload_message)
+                      prompt_problem, upload_message)
 from .garbage import collect_after_session
 from .images import load_image
 from .live import SILENCE_LEVEL, LiveSession
@@ -385,6 +385,8 @@ class Server:
             raise BadRequest("the offer needs 'sdp' (a string) and 'type': 'offer'")
         for key in ("prompt", "image", "speech", "fit", "background"):
             _checked_str(body, key)
+        if (why := prompt_problem(body.get("prompt") or "")) is not None:
+            raise BadRequest(f"'prompt' {why}")
         _check_sdp(body["sdp"])
         return body
 
