@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 
 from engines import build_target
-from offers import answer_of, page_offer, slow_upload, wav_data_url
+from offers import answer_of, offer_sdp, page_offer, slow_upload, wav_data_url
 from procs import still_running
 
 pytestmark = pytest.mark.slow
@@ -159,6 +159,27 @@ def test_an_offer_whose_client_never_connects_frees_the_server(server):
     wait_for(lambda: json.loads(server.request("/status")[2])["state"] == "ready", 60)
     assert wait_for(lambda: f"session {number}: the client did not connect within" in
                     "".join(server.lines), 10), "".join(server.lines)
+
+
+def test_the_answer_takes_no_video_in_and_one_microphone(server):
+    """An offer to send on every section (video and two audio): the answer sends the
+    character's video and takes none in (a client's video would be decoded into frames
+    nothing reads), takes the microphone on the voice's section and nothing on the other."""
+    sdp = offer_sdp("video", "audio", "audio", direction="sendrecv")
+    status, _, data = server.request("/offer", json.dumps({"type": "offer", "sdp": sdp}).encode())
+    assert status == 200, data
+    answer = json.loads(data)
+    kinds, directions = [], []
+    for line in answer["sdp"].splitlines():
+        if line.startswith("m="):
+            kinds.append(line[2:].split()[0])
+        elif line[2:] in ("sendrecv", "sendonly", "recvonly", "inactive"):
+            directions.append(line[2:])
+    assert list(zip(kinds, directions)) == [("video", "sendonly"), ("audio", "sendrecv"),
+                                            ("audio", "inactive")], answer["sdp"]
+    status, _, data = server.request("/stop", json.dumps({"session": answer["session"]}).encode())
+    assert status == 200, data
+    wait_for(lambda: json.loads(server.request("/status")[2])["state"] == "ready", 60)
 
 
 def wait_for(pred, most_s: float, poll_s: float = 0.1) -> bool:
