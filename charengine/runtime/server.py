@@ -70,6 +70,9 @@ PEER_POLL_S = 0.5
 STATS_PERIOD_S = 1.0  # how often the live numbers are pushed to the page
 ERROR_FLUSH_S = 0.2  # lets an error message leave before the peer closes
 MAX_NAME_CHARS = 80  # an uploaded file's name, as messages quote it
+# libraries whose INFO lines are each connection's inner steps (aioice: some twenty ICE
+# checks a session): their warnings and errors are logged, the rest would drown the server's
+QUIET_LOGGERS = ("aioice", "aiortc")
 TOKEN_BYTES = 16  # a session id's randomness (secrets.token_urlsafe: 22 characters)
 MAX_CHANNEL_MESSAGE = 4096  # the longest message the events channel reads
 # a control request's body ({"session": id, "in_flight": ...}): its declared length is checked
@@ -730,6 +733,8 @@ def serve(worker: Worker, host: str, port: int, ice_servers: list[str], slack: i
     `metrics` is the worker's (the probe server's /metrics too); `drain`
     (runtime/lifecycle.py) carries --grace-period."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     metrics = metrics or Metrics(target_fps=worker.spec.fps)
     server = Server(worker, metrics, ice_servers, slack, image_fit, access=access)
     asyncio.run(_serve(server, host, port, readiness, drain))
