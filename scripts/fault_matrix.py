@@ -423,6 +423,7 @@ def hostile_section(found: tuple[dict, dict] | None) -> str:
     attacks, status = found
     lines = ["| page | what it tried | what the page could read |", "|---|---|---|"]
     names = {"cross_site": "another origin (localhost:9666)",
+             "framing": "another origin (localhost:9666) framing the page",
              "rebound": "evil.example re-pointed at the server's page port",
              "rebound_probes": "evil.example re-pointed at the probe port"}
     for key, label in names.items():

@@ -10,6 +10,8 @@ Two ways to drive it:
   image, speech that is not audio, a session (states, the live numbers, the chart, getStats,
   /metrics read at the same moment), screenshots at two widths into DIR, Interrupt, Stop, and
   a proxy's 502 that is not JSON.
+Either way the line also lists what the server's Content-Security-Policy refused the page
+(`policy_refused`: nothing, where the policy allows all the page does).
 """
 
 import argparse
@@ -29,6 +31,7 @@ PHONE = {"width": 390, "height": 844}  # a phone
 FIRST_FRAMES = 24  # frames decoded before measuring
 VIDEO_TIMEOUT_S = 30
 STATE_TIMEOUT_MS = 5000
+POLL_S = 0.05
 
 # the page as a person reads it: state, sentence, engine line, every live number, the chart
 READ_PAGE = """() => {
@@ -58,9 +61,19 @@ def read_page(page) -> dict:
     return page.evaluate(READ_PAGE)
 
 
+def wait_until(page, js: str, timeout_ms: int) -> None:
+    """Poll until the page's expression `js` holds (page.evaluate: the page's
+    Content-Security-Policy refuses the eval that wait_for_function's text predicates use)."""
+    end = time.monotonic() + timeout_ms / 1000
+    while not page.evaluate(js):
+        if time.monotonic() > end:
+            raise TimeoutError(f"not within {timeout_ms} ms: {js}")
+        time.sleep(POLL_S)
+
+
 def wait_state(page, states, timeout_ms=STATE_TIMEOUT_MS) -> str:
-    page.wait_for_function(f"{json.dumps(list(states))}.includes("
-                           "document.querySelector('#state').dataset.state)", timeout=timeout_ms)
+    wait_until(page, f"{json.dumps(list(states))}.includes("
+                     "document.querySelector('#state').dataset.state)", timeout_ms)
     return page.eval_on_selector("#state", "e => e.dataset.state")
 
 
@@ -138,8 +151,8 @@ def tour(page, args) -> dict:
     out["numbers_2"] = read_page(page)
     updates = out["numbers_2"]["chart"]["updates"]
     out["metrics"] = page.evaluate("fetch('/metrics').then((r) => r.text())")
-    page.wait_for_function(f"Number(document.querySelector('#chart').dataset.updates) > "
-                           f"{updates + 1}", timeout=STATE_TIMEOUT_MS)  # a push after the read
+    wait_until(page, f"Number(document.querySelector('#chart').dataset.updates) > {updates + 1}",
+               STATE_TIMEOUT_MS)  # a push after the read
     out["numbers_3"] = read_page(page)
     out.update(first=first, last=last, elapsed=t1 - t0)
     page.screenshot(path=str(shots / "serve_wide.png"), full_page=True)
@@ -190,10 +203,13 @@ def main():
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=args.chromium, args=FLAGS, headless=True)
         page = browser.new_page(viewport=WIDE)
+        refused = []  # what the server's Content-Security-Policy kept from the page
+        page.on("console", lambda m: refused.append(m.text)
+                if "Content Security Policy" in m.text else None)
         page.goto(args.url)
         out = tour(page, args) if args.tour else measure(page, args)
         browser.close()
-    print(json.dumps(out))
+    print(json.dumps({**out, "policy_refused": refused}))
 
 
 if __name__ == "__main__":

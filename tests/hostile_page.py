@@ -3,7 +3,7 @@ tests inside their own network namespace, and by scripts/fault_matrix.py): pages
 origins try what the browser lets any page try against the server, and one page's name is
 re-pointed at the server (DNS rebinding). Prints one JSON line: for each attack, what the
 server answered each of its requests (as the browser's network saw it, opaque responses
-included) and what the page itself could read.
+included) and what the page itself could read (or show, of the server's page in a frame).
 
 The attackers' pages are served by the browser's own request routing (no server of theirs
 runs): `http://localhost:ATTACKER_PORT/` is a page of another origin on the same machine;
@@ -16,11 +16,13 @@ import argparse
 import json
 import time
 
+from playwright.sync_api import Error as PlaywrightError
 from playwright.sync_api import sync_playwright
 
 from browser_client import FLAGS
 
 ATTACKER_PORT = 9666
+FRAME_SETTLE_S = 10  # a frame's navigation ends in the page or in the browser's error page
 REBOUND = "evil.example"
 # checks newer Chromium makes on pages that reach local addresses; off, so that the attacks
 # reach the server and the server's own checks are what is tested (a browser without them)
@@ -82,7 +84,34 @@ REBOUND_PAGE = """async () => {
   return out;
 }"""
 
+# The server's page in a frame of another origin's page, which could lay its own buttons over
+# Start and Stop (or, with allow="microphone", ask for the microphone through it).
+FRAME = """(base) => new Promise((done) => {
+  const f = document.createElement("iframe");
+  f.src = base; f.allow = "microphone"; f.onload = () => done(null);
+  document.body.appendChild(f);
+  setTimeout(() => done(null), 5000);
+})"""
+
 PAGE = "<!doctype html><title>a page elsewhere</title><body>hello</body>"
+
+
+def framed(page, url: str) -> str:
+    """What another origin's frame of the server's page shows once it has settled: the page
+    (its Start button), or the browser's error page (the server forbids framing)."""
+    page.evaluate(FRAME, url)
+    frame = next(f for f in page.frames if f != page.main_frame)
+    end = time.monotonic() + FRAME_SETTLE_S
+    while time.monotonic() < end:
+        if frame.url.startswith("chrome-error:"):
+            return "blocked: the browser shows its error page in the frame"
+        try:
+            if frame.evaluate("!!document.querySelector('#start')"):
+                return f"read: the page, with its Start button, at {frame.url}"
+        except PlaywrightError:  # the frame navigating meanwhile
+            pass
+        time.sleep(0.1)
+    return f"neither the page nor the browser's error page within {FRAME_SETTLE_S} s"
 
 
 def main(args) -> None:
@@ -100,6 +129,8 @@ def main(args) -> None:
 
         def seen(response):
             req = response.request
+            if req.frame != page.main_frame:
+                return  # the framed page's own loads: what it shows is `framed`'s to say
             if req.url not in pages and not req.url.startswith(attacker):
                 key = f"{req.method} {req.url}"
                 result["server"].setdefault(key, []).append(response.status)
@@ -109,6 +140,7 @@ def main(args) -> None:
             page.route(url, lambda r: r.fulfill(body=PAGE, content_type="text/html"))
         page.goto(attacker)
         result["page"]["cross_site"] = page.evaluate(CROSS_SITE, args.url)
+        result["page"]["framing"] = {"an iframe of the page": framed(page, args.url)}
         page.evaluate(FORM, args.url)
         page.wait_for_load_state()
         time.sleep(0.5)

@@ -92,7 +92,9 @@ def _client(ns, url, *args, timeout=180):
                               "--url", url, *args), capture_output=True, text=True,
                        timeout=timeout)
     assert r.returncode == 0, r.stdout + r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["policy_refused"] == [], got["policy_refused"]  # the page's policy fits it
+    return got
 
 
 def _fps(stats) -> float:
@@ -293,8 +295,8 @@ def test_no_page_the_user_visits_can_take_the_server_over(netns, tmp_path):
     page whose name is re-pointed at the server (tests/hostile_page.py). Every request they
     make that would change state or read the server is refused by the server (403 for a
     host it does not serve or a page it does not know, 415 for a body that is not JSON) or
-    stopped by the browser (a preflight the server never grants); the session streams on,
-    the only one started."""
+    stopped by the browser (a preflight the server never grants, a frame of the page the
+    server forbids); the session streams on, the only one started."""
     server, url = _serve(netns, build_target(tmp_path), 8770, "--health-port", "8771")
     victim = subprocess.Popen(_in_ns(netns, sys.executable, str(ROOT / "tests/webrtc_client.py"),
                                      "--url", url, "--seconds", "120"),
@@ -319,7 +321,7 @@ def test_no_page_the_user_visits_can_take_the_server_over(netns, tmp_path):
     assert answered, attacks
     for request, codes in answered.items():
         assert all(c in (403, 405, 415) for c in codes), (request, codes)
-    for name in ("cross_site", "rebound", "rebound_probes"):
+    for name in ("cross_site", "framing", "rebound", "rebound_probes"):
         for what, got in attacks["page"][name].items():
             assert got.startswith(("blocked", "opaque", "read 403", "read 405", "read 415")), \
                 (name, what, got)

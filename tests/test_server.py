@@ -161,6 +161,21 @@ def test_an_offer_whose_client_never_connects_frees_the_server(server):
                     "".join(server.lines), 10), "".join(server.lines)
 
 
+def test_every_response_forbids_framing_and_type_guessing(server):
+    """The page, its files, the JSON and an error alike carry access.PAGE_HEADERS (what
+    Chromium makes of them: test_serve)."""
+    from charengine.runtime.access import PAGE_HEADERS
+
+    for path, status in (("/", 200), ("/static/page.js", 200), ("/status", 200),
+                         ("/no-such-page", 404)):
+        try:
+            r = urllib.request.urlopen(server.url + path, timeout=30)
+        except urllib.error.HTTPError as e:
+            r = e
+        assert r.status == status, (path, r.status)
+        assert {k: r.headers.get(k) for k in PAGE_HEADERS} == PAGE_HEADERS, (path, r.headers)
+
+
 def test_the_answer_takes_no_video_in_and_one_microphone(server):
     """An offer to send on every section (video and two audio): the answer sends the
     character's video and takes none in (a client's video would be decoded into frames

@@ -23,6 +23,11 @@ server's own origin. So:
   MAX_UPLOAD_BYTES_IN_FLIGHT between them (a body's declared length, or the largest one
   allowed where it declares none); past either the offer gets 503 with Retry-After before its
   body is read.
+- Framing and guessing: every response says (PAGE_HEADERS) that no page may frame it (one
+  could lay its own buttons over the page's Start and Stop, or ask for the microphone
+  through it), that the browser is not to guess a type it was not given, that the page runs
+  only its own script and style and talks only to its own server, and that its address is
+  not passed on to sites it links to.
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ MAX_UPLOADS = 4  # offer bodies read at once
 MAX_UPLOAD_BYTES_IN_FLIGHT = 128 * 1024 * 1024  # their declared sizes together
 UPLOAD_RETRY_AFTER_S = 2  # what a 503 for uploads in flight tells the client to wait
 DEFAULT_PORTS = {"http": 80, "https": 443}
+# what the page loads: its own script, style and fetches; images and sounds the user chose
+# (blob: previews, data: uploads); the WebRTC stream is a MediaStream, outside these
+PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; "
+               "img-src 'self' data: blob:; media-src 'self' blob:; connect-src 'self'; "
+               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+PAGE_HEADERS = {"Content-Security-Policy": PAGE_POLICY, "X-Frame-Options": "DENY",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
 
 class AccessError(ValueError):

@@ -48,7 +48,8 @@ import torch
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
-from .access import JSON_TYPE, UPLOAD_RETRY_AFTER_S, Access, UploadGate, same_token
+from .access import (JSON_TYPE, PAGE_HEADERS, UPLOAD_RETRY_AFTER_S, Access, UploadGate,
+                     same_token)
 from .formats import (MAX_UPLOAD_SPEECH_S, ImageFit, MediaError, data_url_bytes,
                       prompt_problem, upload_message)
 from .garbage import collect_after_session
@@ -128,6 +129,11 @@ def _upload_error(e: MediaError, what: str, name) -> BadRequest:
     if isinstance(name, str) and name.strip():
         what = f'{what} "{name.strip()[:MAX_NAME_CHARS]}"'
     return BadRequest(f"{what}: {text}")
+
+
+async def _page_headers(request, response) -> None:
+    """access.PAGE_HEADERS on every response, errors and static files included."""
+    response.headers.update(PAGE_HEADERS)
 
 
 def _error(status: int, message: str, retry_after: float | None = None) -> web.Response:
@@ -285,6 +291,7 @@ class Server:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_UPLOAD_BYTES,
                               middlewares=[json_errors, self.guard])
+        app.on_response_prepare.append(_page_headers)
         app.router.add_get("/", self.index)
         app.router.add_get("/static/{name}", self.static)
         app.router.add_post("/offer", self.offer)
