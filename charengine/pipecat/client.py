@@ -5,10 +5,10 @@ The client offers to receive the character's video and audio and to send one aud
 the speech the character is to speak (`SpeechTrack`: what `say` is given, paced at real time,
 silence between turns, as a microphone sends), opens the server's "events" channel and greets
 it with the session's id. The server's refusals (busy, full, draining, a bad image) come back
-as `Refused` carrying the server's own sentence; a peer that does not connect in time, or
-an address that answers but not as charrun --serve does, as `Unreachable`. A connection that drops or a session the server ends is told to `on_lost`
-with a sentence; what to do then (the service reconnects within its `Reconnect` policy) is
-the caller's."""
+as `Refused` carrying the server's own sentence; a peer that does not connect in time, or an
+address that answers but not as charrun --serve does, as `Unreachable`. A connection that
+drops or a session the server ends is told to `on_lost` with a sentence; what to do then
+(the service reconnects within its `Reconnect` policy) is the caller's."""
 
 from __future__ import annotations
 

@@ -203,7 +203,8 @@ def side_networks_note(engine: Engine) -> str | None:
                    "mono).")
 @click.option("--out", type=PathOption(),
               help=f"Video to write ({', '.join(VIDEO_SUFFIXES)}).")
-@click.option("--prompt", default="", help=f"Text prompt (at most {MAX_PROMPT_CHARS:,} characters).")
+@click.option("--prompt", default="",
+              help=f"Text prompt (at most {MAX_PROMPT_CHARS:,} characters).")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
               help="Noise seed.")
 @click.option("--serve", is_flag=True, help="Serve a local page that streams over WebRTC.")
