@@ -18,6 +18,7 @@ the visitor hears the bot without its character, and one line says why.
 """
 
 import argparse
+from pathlib import Path
 
 from loguru import logger
 from pipecat.frames.frames import Frame, InputAudioRawFrame, TTSAudioRawFrame
@@ -29,6 +30,7 @@ from pipecat.runner.utils import create_transport
 from pipecat.transports.base_transport import BaseTransport, TransportParams
 from pipecat.workers.runner import WorkerRunner
 
+from charengine.paths import not_a_file
 from charengine.pipecat import CharacterVideoService, Refused, Unreachable, engine_info
 
 
@@ -76,12 +78,19 @@ async def bot(runner_args: RunnerArguments):
     await run_bot(transport, args, character=engine is not None)
 
 
+def image_file(text: str) -> str:
+    """--image: a file, checked as the bot starts rather than as each visitor comes."""
+    if (why := not_a_file(Path(text))) is not None:
+        raise argparse.ArgumentTypeError(f"{text}: {why}")
+    return text
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="A Pipecat bot with a charengine character")
     ap.add_argument("--charrun", default="http://127.0.0.1:8080/",
                     help="the page of a running `charrun --serve`")
-    ap.add_argument("--image", help="the character's reference image (default: the server's "
-                                    "grey frame)")
+    ap.add_argument("--image", type=image_file,
+                    help="the character's reference image (default: the server's grey frame)")
     ap.add_argument("--prompt", help="the prompt (for engines that take one)")
     return ap
 

@@ -254,6 +254,24 @@ def test_a_server_that_does_not_answer_is_an_error_frame_and_the_voice_goes_on(t
     assert got["audio_s"] >= 0.99, got  # the second of speech, whole
 
 
+def test_an_image_path_that_is_no_file_is_refused_when_the_bot_is_made(tmp_path):
+    """By the service's constructor, and by the example's --image as it starts (not as
+    each visitor comes)."""
+    from charengine.pipecat import CharacterVideoService
+
+    with pytest.raises(ValueError, match=r"^CharacterVideoService: the image .*absent.png: "
+                                         r"no such file$"):
+        CharacterVideoService(PAGE, tmp_path / "absent.png")
+    with pytest.raises(ValueError, match="is a directory"):
+        CharacterVideoService(PAGE, tmp_path)
+    assert CharacterVideoService(PAGE, b"any bytes: the server reads them")._image
+    r = subprocess.run([sys.executable, str(ROOT / "examples/pipecat_bot.py"), "--image",
+                        str(tmp_path / "absent.png")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        f"error: argument --image: {tmp_path / 'absent.png'}: no such file"), r.stderr[-2000:]
+
+
 ENGINE = {"family": "characters", "preset": "tiny", "fps": 16, "width": 64, "height": 64,
           "sample_rate": 16000, "frames_per_step": 4}
 

@@ -42,6 +42,7 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSet
 from pipecat.services.ai_service import AIService
 from pipecat.services.settings import ServiceSettings
 
+from ..paths import not_a_file
 from .client import CharacterClient, EngineInfo, Refused, Unreachable
 
 # a received audio frame louder than this (RMS, of full scale) carries speech: the end of a
@@ -80,13 +81,17 @@ def _s16(samples: np.ndarray) -> np.ndarray:
 
 class CharacterVideoService(AIService):
     """The character of a local `charrun --serve` at `url` (its page's address), animated
-    from `image` (a path or the file's bytes; None: the server's grey frame) and `prompt`."""
+    from `image` (a path or the file's bytes; None: the server's grey frame) and `prompt`.
+    A path that is not a file is a ValueError here, when the bot is put together, not a
+    failure of each session it opens."""
 
     def __init__(self, url: str, image: str | Path | bytes | None = None,
                  prompt: str | None = None, *, reconnect: Reconnect = Reconnect(),
                  ice_servers: tuple[str, ...] = (), connect_timeout_s: float | None = None,
                  **kwargs):
         # no model to name: the settings say so (Pipecat checks every field is given)
+        if isinstance(image, (str, Path)) and (why := not_a_file(Path(image))) is not None:
+            raise ValueError(f"CharacterVideoService: the image {image}: {why}")
         super().__init__(settings=ServiceSettings(model=None), **kwargs)
         self._url, self._image, self._prompt = url, image, prompt
         self._reconnect = reconnect
