@@ -105,6 +105,7 @@ MIN_IMAGE_FRACTION = 0.25
 # formats no face photo uses: each a decoder an upload could reach for nothing.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "AVIF", "GIF", "BMP", "TIFF")
 DEFAULT_BACKGROUND = "#ffffff"
+MAX_COLOUR_SAID = 40  # a background longer than this is not quoted back in its refusal
 EXIF_ORIENTATION = 0x0112
 # A prompt is read by a text encoder of a few hundred tokens (umT5: 512, some 2,000 to 3,000
 # characters of English); a longer one is refused rather than cleaned and tokenized whole
@@ -120,7 +121,8 @@ def parse_colour(text: str) -> tuple[int, int, int]:
     try:
         return ImageColor.getrgb(text)[:3]
     except ValueError:
-        raise MediaError(f"background {text!r}: not a colour; give #rrggbb or a colour "
+        said = repr(text) if len(text) <= MAX_COLOUR_SAID else f"of {len(text):,} characters"
+        raise MediaError(f"background {said}: not a colour; give #rrggbb or a colour "
                          "name") from None
 
 
