@@ -250,6 +250,7 @@ def test_a_post_must_be_json_from_the_pages_own_origin_or_no_page(server):
     ({"background": {"r": 1}}, "'background' must be a string"),
     ({"background": "#zz"}, "background '#zz': not a colour"),
     ({"background": "x" * 100_000}, "background of 100,000 characters: not a colour"),
+    ({"fit": "x" * 100_000}, "fit of 100,000 characters: one of cover"),
     ({"prompt": 5}, "'prompt' must be a string"),
     ({"prompt": "a" * 10_001}, "'prompt' is 10,001 characters long; at most 10,000 are taken"),
     ({"speech": "data:audio/wav;base64,"}, "the file is empty"),

@@ -105,13 +105,18 @@ MIN_IMAGE_FRACTION = 0.25
 # formats no face photo uses: each a decoder an upload could reach for nothing.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "AVIF", "GIF", "BMP", "TIFF")
 DEFAULT_BACKGROUND = "#ffffff"
-MAX_COLOUR_SAID = 40  # a background longer than this is not quoted back in its refusal
+MAX_QUOTED = 40  # a field's value longer than this is not quoted back in its refusal
 EXIF_ORIENTATION = 0x0112
 # A prompt is read by a text encoder of a few hundred tokens (umT5: 512, some 2,000 to 3,000
 # characters of English); a longer one is refused rather than cleaned and tokenized whole
 # under the side networks' lock, where every live session's audio and decoding wait (a 60 MB
 # prompt: 7.6 s of a CPU core for the tiny LiveTalk encoder alone).
 MAX_PROMPT_CHARS = 10_000
+
+
+def quoted(text: str) -> str:
+    """A field's value as its refusal names it: quoted, or its length where it is long."""
+    return repr(text) if len(text) <= MAX_QUOTED else f"of {len(text):,} characters"
 
 
 def parse_colour(text: str) -> tuple[int, int, int]:
@@ -121,8 +126,7 @@ def parse_colour(text: str) -> tuple[int, int, int]:
     try:
         return ImageColor.getrgb(text)[:3]
     except ValueError:
-        said = repr(text) if len(text) <= MAX_COLOUR_SAID else f"of {len(text):,} characters"
-        raise MediaError(f"background {said}: not a colour; give #rrggbb or a colour "
+        raise MediaError(f"background {quoted(text)}: not a colour; give #rrggbb or a colour "
                          "name") from None
 
 
@@ -135,5 +139,5 @@ class ImageFit:
 
     def __post_init__(self):
         if self.policy not in FIT_POLICIES:
-            raise MediaError(f"fit {self.policy!r}: one of {', '.join(FIT_POLICIES)}")
+            raise MediaError(f"fit {quoted(self.policy)}: one of {', '.join(FIT_POLICIES)}")
         parse_colour(self.background)
