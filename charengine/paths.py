@@ -58,6 +58,14 @@ def name_max(path: Path) -> int:
         return NAME_MAX
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back: call it where no other
+    thread is creating files)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def not_a_file(path: Path) -> str | None:
     """What a path given as an input file is, said for a one-line error, when it is not a
     regular file (None when it is): missing, a directory, or a device, pipe or socket (which

@@ -72,6 +72,37 @@ def test_stereo_44k_speech_is_converted(engine_dir, tmp_path):
     assert frames == 4 * 6 and abs(audio_s - 1.0) <= 1 / 24
 
 
+def test_a_video_gets_a_new_files_mode_or_the_one_it_replaces(engine_dir, tmp_path):
+    """Not the 0o600 of the temporary file it is written in (others could not read it)."""
+    import os
+
+    mask = os.umask(0o022)
+    try:
+        assert run_charrun(engine_dir, SPEECH, tmp_path / "new.mp4").returncode == 0
+        assert (tmp_path / "new.mp4").stat().st_mode & 0o777 == 0o644
+        (tmp_path / "new.mp4").chmod(0o640)
+        assert run_charrun(engine_dir, SPEECH, tmp_path / "new.mp4").returncode == 0
+        assert (tmp_path / "new.mp4").stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(mask)
+
+
+def test_a_video_named_as_its_own_speech_is_refused_and_the_speech_kept(engine_dir, tmp_path):
+    """Speech in an MP4 given again as --out (or a hard link to it): one line, nothing
+    replaced."""
+    import os
+
+    assert run_charrun(engine_dir, SPEECH, tmp_path / "talk.mp4").returncode == 0
+    os.link(tmp_path / "talk.mp4", tmp_path / "link.mp4")
+    kept = (tmp_path / "talk.mp4").read_bytes()
+    for out in ("talk.mp4", "link.mp4"):
+        r = run_charrun(engine_dir, tmp_path / "talk.mp4", tmp_path / out)
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+            f"Error: --out {tmp_path / out}: is the --audio file, which the video would "
+            "replace; give the video another name"), r.stderr
+    assert (tmp_path / "talk.mp4").read_bytes() == kept
+
+
 def test_a_file_that_is_not_audio_is_refused(engine_dir, tmp_path):
     r = run_charrun(engine_dir, FACE, tmp_path / "o.mp4")
     assert r.returncode != 0 and "Traceback" not in r.stderr

@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 from charengine.engine_format import MANIFEST
-from charengine.paths import (Busy, OutputLock, make_dirs, missing_dirs, remove_dirs,
-                              remove_stale)
+from charengine.paths import (Busy, OutputLock, current_umask, make_dirs, missing_dirs,
+                              remove_dirs, remove_stale)
 
 
 class OutputError(ValueError):
@@ -76,8 +76,7 @@ def readable_by_all(root: Path) -> None:
     """Directories 0o777 and files 0o666 under `root`, less the umask (0755 and 0644 under the
     usual 022): an engine another user can read, such as the container's charengine user
     (uid 10001) from a read-only mount; mkdtemp makes 0700."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = current_umask()
     for d, _, files in os.walk(root):
         os.chmod(d, 0o777 & ~mask)
         for f in files:

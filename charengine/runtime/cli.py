@@ -297,7 +297,7 @@ def run(cfg: RunConfig):
     if not (cfg.image and cfg.audio and cfg.out):
         raise click.UsageError("give --image, --audio and --out, or --serve, or --livekit")
     try:
-        check_video_out(cfg.out)
+        check_video_out(cfg.out, {"--audio": cfg.audio, "--image": cfg.image})
     except MediaError as e:
         raise click.ClickException(str(e)) from None
     readahead_in_background(cfg.engine_dir)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import stat
 import tempfile
 from fractions import Fraction
 from pathlib import Path
@@ -15,7 +16,8 @@ import av
 import numpy as np
 import torch
 
-from charengine.paths import Held, make_dirs, missing_dirs, remove_dirs, remove_stale
+from charengine.paths import (Held, current_umask, make_dirs, missing_dirs, remove_dirs,
+                              remove_stale)
 
 from .formats import (AUDIO_CODECS, AUDIO_CODECS_SAID, AUDIO_DEMUXERS, AUDIO_FORMATS_SAID,
                       MAX_SAMPLE_RATE, MAX_SPEECH_S, MIN_SAMPLE_RATE, VIDEO_SUFFIXES,
@@ -127,9 +129,15 @@ def write_png(path: str | Path, image: np.ndarray) -> None:
             c.mux(p)
 
 
-def check_video_out(path: Path) -> Path:
+def check_video_out(path: Path, inputs: dict[str, Path | None] | None = None) -> Path:
     """Refuse, before any work, an output the writer could not make: a directory, a name
-    with no known container extension, or one whose directory cannot be created."""
+    with no known container extension, or one whose directory cannot be created; and one
+    that is one of the render's `inputs` (flag -> path), which it would replace."""
+    for flag, given in (inputs or {}).items():
+        if given is not None and path.exists() and Path(given).exists() \
+                and os.path.samefile(path, given):
+            raise MediaError(f"--out {path}: is the {flag} file, which the video would "
+                             "replace; give the video another name")
     if path.is_dir():
         raise MediaError(f"--out {path}: is a directory; name the video file, e.g. "
                          f"{path / 'out.mp4'}")
@@ -223,11 +231,21 @@ class Mp4Writer:
             except (OSError, av.FFmpegError) as e:
                 self.error = self.error or _write_error(e)
             if self.frames and self.error is None:
+                os.chmod(self.tmp, replacing_mode(self.path))
                 os.replace(self.tmp, self.path)
                 self.written = True
             else:
                 self.tmp.unlink(missing_ok=True)
             self.held.release()
+
+
+def replacing_mode(path: Path) -> int:
+    """The mode a file written at `path` gets: the mode of the file it replaces, else a new
+    file's (0o666 less the umask; mkstemp makes 0o600, which others could not read)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~current_umask()
 
 
 def _write_error(e: Exception) -> str:
