@@ -233,6 +233,29 @@ def test_the_microphone_streams_and_a_server_that_vanishes_is_told(netns, tmp_pa
     assert stats["after_error"]["state"] == "error" and stats["after_error"]["start_enabled"]
 
 
+def test_a_session_nothing_is_said_to_ends_after_the_idle_timeout(netns, tmp_path):
+    """--idle-timeout 4: a client that sends no speech streams its character listening,
+    then gets {"type": "ended"} with why, its connection closed; the log says why and the
+    server takes the next session."""
+    server, url = _serve(netns, build_target(tmp_path), 8773, "--idle-timeout", "4")
+    try:
+        r = subprocess.run(_in_ns(netns, sys.executable, str(ROOT / "tests/webrtc_client.py"),
+                                  "--url", url, "--seconds", "60"),
+                           capture_output=True, text=True, timeout=120)
+        status = json.loads(_get(netns, url + "status"))
+    finally:
+        out = _end(server)
+    said = [json.loads(ln) for ln in r.stdout.splitlines()]
+    kinds = [s["kind"] for s in said]
+    assert "streaming" in kinds and "timeout" not in kinds, said
+    events = [s["event"] for s in said if s["kind"] == "event"]
+    assert events[-1]["type"] == "ended", events
+    assert events[-1]["why"] == "nothing was said for 4 s", events
+    assert "speaking" not in [e.get("state") for e in events], events
+    assert status["state"] == "ready" and status["active"] == 0, status
+    assert "session 1: nothing was said for 4 s; ended" in out, out
+
+
 def test_a_rank_that_dies_mid_session_is_told_to_the_page_and_the_next_session_runs(
         netns, tmp_path):
     import psutil

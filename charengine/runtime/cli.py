@@ -26,7 +26,7 @@ from .formats import (AUDIO_FORMATS_SAID, DEFAULT_BACKGROUND, FIT_POLICIES, IMAG
 from .lifecycle import GRACE_PERIOD_S, STOP_SIGNALS
 from .prefetch import readahead_in_background
 from .probes import HEALTH_PORT
-from .run_config import AUTO, RunConfig, livekit_setup_error
+from .run_config import AUTO, IDLE_TIMEOUT_S, RunConfig, livekit_setup_error
 
 if TYPE_CHECKING:  # torch is imported when an engine is loaded, after the probes answer
     from .engine import Engine
@@ -230,6 +230,11 @@ def side_networks_note(engine: Engine) -> str | None:
               help="With --serve or --livekit: seconds SIGTERM's drain may take. The session "
                    "in progress goes on until shortly before, then ends cleanly, the ranks "
                    "stop and charrun exits 0; past it charrun gives up and exits 1 at once.")
+@click.option("--idle-timeout", type=click.FloatRange(min=0), default=IDLE_TIMEOUT_S,
+              show_default=True,
+              help="With --serve: seconds a session's character may only listen (nothing "
+                   "said to it, by upload, microphone or client) before the session ends and "
+                   "frees its place; 0: never.")
 @click.option("--allow-host", "allow_hosts", multiple=True,
               help="With --serve or --livekit: a host name the ports answer to besides IP "
                    "addresses and localhost (the name users open the page by, behind a "
@@ -260,8 +265,8 @@ def side_networks_note(engine: Engine) -> str | None:
                    "captured), report what it took and how many kernels had to be compiled, "
                    "and exit.")
 def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serve, host, port,
-         ice_servers, slack, livekit, agent_name, health_port, grace_period, allow_hosts,
-         allow_origins, sessions, over_capacity, batch, check):
+         ice_servers, slack, livekit, agent_name, health_port, grace_period, idle_timeout,
+         allow_hosts, allow_origins, sessions, over_capacity, batch, check):
     """Render a talking character (the image animated to the speech, H.264 + AAC MP4), or
     with --serve stream one over WebRTC to a local page."""
     return run(RunConfig(engine_dir, image=image, fit=fit, background=background,
@@ -269,6 +274,7 @@ def main(engine_dir, image, fit, background, audio_path, out, prompt, seed, serv
                          host=host, port=port, ice_servers=ice_servers, slack=slack,
                          livekit=livekit, agent_name=agent_name, check=check,
                          health_port=health_port, grace_period=grace_period,
+                         idle_timeout=idle_timeout,
                          allow_hosts=allow_hosts, allow_origins=allow_origins,
                          sessions=sessions, over_capacity=over_capacity, batch=batch))
 
@@ -404,7 +410,7 @@ def _serve_engine(cfg: RunConfig, image_fit: ImageFit, readiness, probes, drain,
         try:
             return run_server(worker, cfg.host, cfg.port, list(cfg.ice_servers), cfg.slack,
                               image_fit, readiness=readiness, metrics=metrics, drain=drain,
-                              access=access)
+                              access=access, idle_timeout_s=cfg.idle_timeout)
         except ServeError as e:
             raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:  # a signal before the mode took over its handling

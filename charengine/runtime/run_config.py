@@ -11,6 +11,10 @@ from .formats import DEFAULT_BACKGROUND
 from .lifecycle import GRACE_PERIOD_S
 from .probes import HEALTH_PORT
 
+# a --serve session whose character has only listened this long ends (--idle-timeout): a tab
+# left open would hold its place for good
+IDLE_TIMEOUT_S = 600.0
+
 MODES = ("check", "livekit", "serve", "render")
 AUTO = "auto"  # --sessions auto: as many as the devices hold in real time
 LIVEKIT_ENV = ("LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET")  # what --livekit reads
@@ -32,13 +36,14 @@ class RunConfig:
     WebRTC on `host`:`port` (`ice_servers`: STUN/TURN URLs; `slack`: finished steps that may
     queue ahead of playback); `livekit` runs a LiveKit avatar worker registered as
     `agent_name`. Both serve probes (/healthz, /readyz, /metrics) on `host`:`health_port`, and
-    SIGTERM drains them within `grace_period` seconds; their ports answer to IP addresses,
-    localhost and `allow_hosts`, and take state-changing requests from the page's own origin,
-    `allow_origins` or no web page (runtime/access.py). `sessions`: the live sessions --serve
-    runs at once over one copy of the engine (runtime/lanes.py), refused past what the
-    machine holds in real time unless `over_capacity`; `batch`, the most of their steps
-    that run as one batch when they wait together (1: each alone). `check` loads the engine, reports its
-    start-up and exits."""
+    SIGTERM drains them within `grace_period` seconds; a --serve session whose character has
+    only listened for `idle_timeout` seconds ends (0: never); their ports answer to IP
+    addresses, localhost and `allow_hosts`, and take state-changing requests from the page's
+    own origin, `allow_origins` or no web page (runtime/access.py). `sessions`: the live
+    sessions --serve runs at once over one copy of the engine (runtime/lanes.py), refused
+    past what the machine holds in real time unless `over_capacity`; `batch`, the most of
+    their steps that run as one batch when they wait together (1: each alone). `check`
+    loads the engine, reports its start-up and exits."""
 
     engine_dir: Path
     image: Path | None = None
@@ -58,6 +63,7 @@ class RunConfig:
     check: bool = False
     health_port: int = HEALTH_PORT
     grace_period: float = GRACE_PERIOD_S
+    idle_timeout: float = IDLE_TIMEOUT_S
     allow_hosts: tuple[str, ...] = ()
     allow_origins: tuple[str, ...] = ()
     sessions: int | str = 1  # a count, or AUTO

@@ -25,7 +25,8 @@ greets with {"type": "hello", "session": id}: {"type": "stats", "state": ..., li
 numbers...} every STATS_PERIOD_S (Metrics.live(): the numbers /metrics has, from the same
 object), {"type": "state", "state": ...} when the state changes (runtime/live.py STATES),
 {"type": "error", "message": ...} when a rank dies or the session fails, {"type":
-"draining", ...} when a stop gives the session a deadline, and {"type": "ended"}. An offer
+"draining", ...} when a stop gives the session a deadline, and {"type": "ended"} (with "why"
+where the server ended it: nothing said for --idle-timeout). An offer
 whose client never connects frees the server after CONNECT_TIMEOUT_S; a client that vanishes
 mid-session (no RTCP report for PEER_SILENT_S) frees it too.
 """
@@ -57,6 +58,7 @@ from .images import load_image
 from .live import SILENCE_LEVEL, LiveSession
 from .media import read_audio
 from .metrics import Metrics
+from .run_config import IDLE_TIMEOUT_S
 from .webrtc import PacedOutput
 from .worker import Worker
 
@@ -74,6 +76,8 @@ MAX_NAME_CHARS = 80  # an uploaded file's name, as messages quote it
 # libraries whose INFO lines are each connection's inner steps (aioice: some twenty ICE
 # checks a session): their warnings and errors are logged, the rest would drown the server's
 QUIET_LOGGERS = ("aioice", "aiortc")
+IDLE_POLL_S = 1.0  # the idle watchdog's longest sleep
+QUIET_STATES = ("starting", "listening")  # the character says nothing
 TOKEN_BYTES = 16  # a session id's randomness (secrets.token_urlsafe: 22 characters)
 MAX_CHANNEL_MESSAGE = 4096  # the longest message the events channel reads
 # a control request's body ({"session": id, "in_flight": ...}): its declared length is checked
@@ -198,6 +202,9 @@ class Served:
     # to drop, up to its first silent frame (what the client sends once it has cleared its
     # own queue); the frames that begin within IN_FLIGHT_MAX_S of it at most
     hush: int = 0
+    # since when (the loop's clock) the character has only listened: its start, then each
+    # turn's end; None while it speaks (the idle watchdog ends a session quiet too long)
+    quiet_since: float | None = None
 
 
 def _checked_str(body: dict, key: str, default=None):
@@ -255,8 +262,9 @@ class Server:
                  slack: int = 2, image_fit: ImageFit = ImageFit(),
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  stats_period_s: float = STATS_PERIOD_S, access: Access = Access(),
-                 peer_silent_s: float = PEER_SILENT_S):
+                 peer_silent_s: float = PEER_SILENT_S, idle_timeout_s: float = IDLE_TIMEOUT_S):
         self.worker, self.metrics, self.slack = worker, metrics, slack
+        self.idle_timeout_s = idle_timeout_s
         self.image_fit, self.connect_timeout_s = image_fit, connect_timeout_s
         self.stats_period_s, self.access, self.peer_silent_s = stats_period_s, access, \
             peer_silent_s
@@ -483,8 +491,10 @@ class Server:
             for track in microphones:
                 served.tasks.append(asyncio.ensure_future(
                     self._microphone(track, served)))
+            served.quiet_since = loop.time()
             served.tasks += [asyncio.ensure_future(self._connect_watchdog(served)),
                              asyncio.ensure_future(self._peer_watchdog(served)),
+                             asyncio.ensure_future(self._idle_watchdog(served)),
                              asyncio.ensure_future(self._push_stats(served))]
             log.info("session %d started (lane %d; %d of %d in progress)", served.number, lane,
                      len(self.live), self.capacity)
@@ -546,7 +556,28 @@ class Server:
 
     def _state_changed(self, served: Served, state: str) -> None:
         if self._active(served):
+            if state not in QUIET_STATES:
+                served.quiet_since = None
+            elif served.quiet_since is None:
+                served.quiet_since = asyncio.get_running_loop().time()
             self._send(served, {"type": "state", "state": state})
+
+    async def _idle_watchdog(self, served: Served) -> None:
+        """Ends a session whose character has only listened for idle_timeout_s (no speech
+        queued or heard: a tab left open holds its place otherwise); 0: never."""
+        if not self.idle_timeout_s:
+            return
+        loop = asyncio.get_running_loop()
+        while self._active(served):
+            since = served.quiet_since
+            left = self.idle_timeout_s if since is None else \
+                since + self.idle_timeout_s - loop.time()
+            if left <= 0:
+                why = f"nothing was said for {self.idle_timeout_s:g} s"
+                log.info("session %d: %s; ended", served.number, why)
+                await self.close(served, why)
+                return
+            await asyncio.sleep(min(left, IDLE_POLL_S))
 
     async def _failed(self, served: Served, message: str) -> None:
         """The session failed on its own (a rank died): tell the page, free the server; the
@@ -634,9 +665,9 @@ class Server:
         fps = await self.close(served)
         return web.json_response({"fps": fps})
 
-    async def close(self, only: Served | None = None):
+    async def close(self, only: Served | None = None, why: str | None = None):
         """End session `only` if it is still in progress (None: every session; returns the
-        last one's fps)."""
+        last one's fps); `why`, where the server ends it on its own, goes to the page."""
         if only is None:
             fps = None
             for served in list(self.live.values()):
@@ -650,7 +681,7 @@ class Server:
             if task is not asyncio.current_task():
                 task.cancel()
         fps = await asyncio.get_running_loop().run_in_executor(None, served.session.stop)
-        self._send(served, {"type": "ended", "fps": fps})
+        self._send(served, {"type": "ended", "fps": fps, **({"why": why} if why else {})})
         await served.pc.close()
         collect_after_session()  # its cycles, and its encoder's threads, freed now
         return fps
@@ -734,7 +765,8 @@ async def _serve(server: Server, host: str, port: int, readiness=None, drain=Non
 
 def serve(worker: Worker, host: str, port: int, ice_servers: list[str], slack: int,
           image_fit: ImageFit = ImageFit(), readiness=None, metrics: Metrics | None = None,
-          drain=None, access: Access = Access()) -> None:
+          drain=None, access: Access = Access(),
+          idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
     """Serve until SIGINT or SIGTERM; the session in progress ends cleanly (the caller stops
     the worker's ranks). `readiness` (runtime/probes.py) reads ready once the page listens;
     `metrics` is the worker's (the probe server's /metrics too); `drain`
@@ -743,5 +775,6 @@ def serve(worker: Worker, host: str, port: int, ice_servers: list[str], slack: i
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     metrics = metrics or Metrics(target_fps=worker.spec.fps)
-    server = Server(worker, metrics, ice_servers, slack, image_fit, access=access)
+    server = Server(worker, metrics, ice_servers, slack, image_fit, access=access,
+                    idle_timeout_s=idle_timeout_s)
     asyncio.run(_serve(server, host, port, readiness, drain))

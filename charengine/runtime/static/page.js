@@ -440,7 +440,10 @@ function serverSaid(pc, e) {
     say(`${sentence(e.message)}. Press Start again once the server is back.`, false);
   } else if (e.type === "ended") {
     end();
-    if (!page.errored) setState("ended");
+    if (!page.errored) {
+      setState("ended", e.why ? `The session ended: ${sentence(e.why)}. Press Start to begin ` +
+                                "a new one." : undefined);
+    }
   }
 }
 
