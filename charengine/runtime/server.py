@@ -217,22 +217,23 @@ def _checked_str(body: dict, key: str, default=None):
     return value
 
 
-def _answer_directions(pc, offered: list, voice) -> list:
+def _answer_directions(pc, voice) -> list:
     """What each of the offer's media sections carries, set before the answer is made: the
     character's video out on the section it took, and nothing in there (a client's video
     would be decoded into frames nothing reads: one 720p sender grew the server by 40 MB a
     second); the character's voice out and the client's microphone in on the voice's
-    section; nothing on any other. Returns the microphone among the `offered` tracks (those
-    the offer sends), if the client sends one."""
-    microphone = None
+    section; nothing on any other. Returns the microphone's track, in a list (empty where
+    the offer sends nothing on the voice's section: aiortc makes a receiver's track only
+    for a section the peer sends on)."""
+    microphones = []
     for t in pc.getTransceivers():
         if t.sender.track is None:
             t.direction = "inactive"
         elif t.kind == "video":
             t.direction = "sendonly"
-        elif t.sender is voice:
-            microphone = t.receiver.track
-    return [track for track in offered if track is microphone]
+        elif t.sender is voice and t.receiver.track is not None:
+            microphones.append(t.receiver.track)
+    return microphones
 
 
 def _check_sdp(sdp: str) -> None:
@@ -439,18 +440,11 @@ class Server:
             image, speech, notes = await loop.run_in_executor(None, self._read_media, body)
             out = PacedOutput(loop, self.worker.spec.side.sample_rate)
             pc = RTCPeerConnection(RTCConfiguration(iceServers=self.ice))
-            microphones: list = []  # the page's audio tracks: the offer announces them
-
-            @pc.on("track")
-            def on_track(track):
-                if track.kind == "audio":
-                    microphones.append(track)
-
             try:
                 await pc.setRemoteDescription(RTCSessionDescription(body["sdp"], "offer"))
                 pc.addTrack(out.video)
                 voice = pc.addTrack(out.audio)
-                microphones = _answer_directions(pc, microphones, voice)
+                microphones = _answer_directions(pc, voice)
                 await pc.setLocalDescription(await pc.createAnswer())
             except (ValueError, TypeError, AttributeError, KeyError) as e:
                 await pc.close()
