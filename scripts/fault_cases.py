@@ -13,13 +13,14 @@ from typing import Callable
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from charengine.runtime.client_bounds import ALLOWANCES  # noqa: E402
 from charengine.runtime.probes import MAX_CONNECTIONS  # noqa: E402
 from netns import can_netns  # noqa: E402 - the tests' namespaces, shared
 from offers import offer_of_sections, wav_data_url  # noqa: E402 - and their requests
 from fault_fixtures import (NETNS, NO_READ_OVERRIDE, can_drop_read_override,  # noqa: E402
     check_audio_duration, check_engine, check_not_ran, check_not_served, check_readable,
-    check_replaced, check_steps, client_vanishes, engine_copy, flip_rank_byte, hold_port,
-    kill_rank_on, killed_build, killed_render, make_evil_vae, make_existing_video,
+    check_replaced, check_steps, client_floods, client_vanishes, engine_copy, flip_rank_byte,
+    hold_port, kill_rank_on, killed_build, killed_render, make_evil_vae, make_existing_video,
     make_existing_video_at, make_foreign_lora, make_here, make_missing_shard, make_nan_ckpt,
     make_noside_ckpt, make_old_engine, make_out_dir, make_project, make_shape_ckpt,
     make_text_ckpt, make_user_dir, make_user_file, manifest_dim_string, manifest_list,
@@ -299,9 +300,19 @@ def peer_cases() -> list[Case]:
     if not can_netns():
         return []
     serve = ["charrun", "--engine", "cpu-tiny", "--serve", "--port", "{port}"]
+    peer = dict(setup=pick_port, wrap=("ip", "netns", "exec", NETNS), timeout=90)
+    ended = lambda why: Expect(rc=0, facts=fact_is(why=why, ready_again=True))  # noqa: E731
     return [Case("serve-client-vanishes", "serve", serve,
-                 Expect(rc=0, facts=fact_freed_within(5.0)), setup=pick_port,
-                 during=client_vanishes, wrap=("ip", "netns", "exec", NETNS), timeout=90)]
+                 Expect(rc=0, facts=fact_freed_within(5.0)), during=client_vanishes, **peer),
+            Case("serve-client-floods-its-channel", "serve", serve,
+                 ended(ALLOWANCES["messages"].why()),
+                 during=client_floods("messages"), **peer),
+            Case("serve-client-sends-60kB-messages", "serve", serve,
+                 ended(ALLOWANCES["kB"].why()),
+                 during=client_floods("kB"), **peer),
+            Case("serve-client-microphone-unpaced", "serve", serve,
+                 ended(ALLOWANCES["audio_s"].why()),
+                 during=client_floods("audio"), **peer)]
 
 
 def all_cases() -> list[Case]:

@@ -728,6 +728,30 @@ def client_vanishes(running: Running, ctx: dict) -> None:
     stop_server(running)
 
 
+def client_floods(flood: str) -> Callable[[Running, dict], None]:
+    """A WebRTC client that sends more than a page does (tests/flooding_client.py: `flood`);
+    what the server told it (the session's end and why), and whether the slot is free
+    again."""
+    def during(running: Running, ctx: dict) -> None:
+        if not running.wait_for("serving on", "stdout"):
+            ctx["notes"].append("never printed 'serving on'")
+            return
+        url = f"http://127.0.0.1:{ctx['port']}/"
+        r = subprocess.run(in_netns(sys.executable, str(REPO / "tests" / "flooding_client.py"),
+                                    "--url", url, "--flood", flood, "--seconds", "30"),
+                           capture_output=True, text=True, timeout=90)
+        got = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {}
+        poll = subprocess.run(in_netns(sys.executable, "-c", READY_POLL, url),
+                              capture_output=True, text=True, timeout=60)
+        ctx["facts"].update(why=got.get("why"), ready_again=poll.returncode == 0)
+        ctx["notes"].append(f"{flood}: {got.get('messages', 0):,} messages, "
+                            f"{got.get('bytes', 0):,} bytes sent; ended: "
+                            f"{got.get('why') or 'no'}; slot free again: {poll.returncode == 0}"
+                            if got else f"the client failed: {r.stderr.strip()[-200:]}")
+        stop_server(running)
+    return during
+
+
 def describe(p: psutil.Process) -> str:
     try:
         cmd = " ".join(p.cmdline())

@@ -474,7 +474,7 @@ def test_the_events_channel_is_the_sessions_once_it_says_the_id_of_any_character
     from charengine.runtime.server import MAX_CHANNEL_MESSAGE, Served, Server
 
     token = "Zm9vYmFyYmF6cXV4cXV1eA"
-    served, channel = Served(token, 1, 0, None, None), object()
+    served, channel = Served(token, 1, 0, None, None), SimpleNamespace(label="events")
     hello = lambda session: json.dumps({"type": "hello", "session": session})  # noqa: E731
     for said in (hello("\u00e9" * len(token)), hello("\ud800"), hello(token[::-1]), hello(7),
                  hello(token) + " " * MAX_CHANNEL_MESSAGE, "[" * 100_000, b"\xff", "{}"):

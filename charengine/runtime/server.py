@@ -26,9 +26,11 @@ numbers...} every STATS_PERIOD_S (Metrics.live(): the numbers /metrics has, from
 object), {"type": "state", "state": ...} when the state changes (runtime/live.py STATES),
 {"type": "error", "message": ...} when a rank dies or the session fails, {"type":
 "draining", ...} when a stop gives the session a deadline, and {"type": "ended"} (with "why"
-where the server ended it: nothing said for --idle-timeout). An offer
+where the server ended it: nothing said for --idle-timeout, or too much sent). An offer
 whose client never connects frees the server after CONNECT_TIMEOUT_S; a client that vanishes
-mid-session (no RTCP report for PEER_SILENT_S) frees it too.
+mid-session (no RTCP report for PEER_SILENT_S) frees it too, and a client that sends more than
+its account allows (runtime/client_bounds.py: bytes, packets, data-channel messages, its
+microphone ahead of real time) has its session ended, told why.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 
 from .access import (JSON_TYPE, PAGE_HEADERS, UPLOAD_RETRY_AFTER_S, Access, UploadGate,
                      same_token)
+from .client_bounds import ClientAccount
 from .formats import (MAX_UPLOAD_SPEECH_S, ImageFit, MediaError, data_url_bytes,
-                      prompt_problem, upload_message)
+                      prompt_problem, quoted, upload_message)
 from .garbage import collect_after_session
 from .images import load_image
 from .live import SILENCE_LEVEL, LiveSession
@@ -97,6 +100,7 @@ STATIC = "static"  # the page's files, package data of charengine.runtime
 # and so every session's media, for 15 s)
 MAX_SDP_BYTES = 64 * 1024
 MAX_MEDIA_SECTIONS = 8
+BYTES_PER_KB = 1000
 
 
 class ServeError(RuntimeError):
@@ -205,6 +209,10 @@ class Served:
     # since when (the loop's clock) the character has only listened: its start, then each
     # turn's end; None while it speaks (the idle watchdog ends a session quiet too long)
     quiet_since: float | None = None
+    # what its client has sent (runtime/client_bounds.py), and why the session is ended for
+    # it once the client has sent too much
+    account: ClientAccount = field(default_factory=ClientAccount)
+    overrun: str | None = None
 
 
 def _checked_str(body: dict, key: str, default=None):
@@ -236,6 +244,21 @@ def _answer_directions(pc, voice) -> list:
     return microphones
 
 
+def _unbundled(sdp: str) -> list[str]:
+    """The sections of an offer's SDP (their a=mid, or their place) that its BUNDLE group
+    does not name: bundled, every section arrives on one transport, whose counts are all the
+    client sends (runtime/client_bounds.py), and one ICE agent serves the session."""
+    bundle, mids = set(), []
+    for line in sdp.splitlines():
+        if line.startswith("a=group:BUNDLE"):
+            bundle.update(line.split()[1:])
+        elif line.startswith("m="):
+            mids.append(f"#{len(mids) + 1}")
+        elif line.startswith("a=mid:") and mids:
+            mids[-1] = line.removeprefix("a=mid:").strip()
+    return [mid for mid in mids if mid not in bundle]
+
+
 def _check_sdp(sdp: str) -> None:
     """BadRequest for an offer's SDP past MAX_SDP_BYTES or MAX_MEDIA_SECTIONS."""
     size = len(sdp.encode("utf-8", "surrogatepass"))
@@ -246,6 +269,10 @@ def _check_sdp(sdp: str) -> None:
     if sections > MAX_MEDIA_SECTIONS:
         raise BadRequest(f"the offer's SDP has {sections} media sections; at most "
                          f"{MAX_MEDIA_SECTIONS}: send the page's own offer")
+    if unbundled := _unbundled(sdp):
+        raise BadRequest(f"the offer's SDP leaves media sections out of its BUNDLE group "
+                         f"({quoted(' '.join(unbundled))}): name every section in one "
+                         "a=group:BUNDLE, as browsers offer")
 
 
 def parse_json(raw: bytes, what: str):
@@ -463,8 +490,9 @@ class Server:
 
             @pc.on("datachannel")
             def on_channel(channel):
-                if channel.label == "events":
-                    channel.on("message", lambda m: self._channel_said(served, channel, m))
+                if (why := served.account.spend("messages", 1)) is not None:
+                    self._overran(served, why)
+                channel.on("message", lambda m: self._channel_said(served, channel, m))
 
             @pc.on("connectionstatechange")
             async def on_state():
@@ -497,9 +525,14 @@ class Server:
                                       "session": served.token})
 
     def _channel_said(self, served: Served, channel, message) -> None:
-        """The page's word on its events channel: {"type": "hello", "session": token} makes
-        the channel the session's (events go nowhere before); anything else is ignored."""
-        if not isinstance(message, str) or len(message) > MAX_CHANNEL_MESSAGE:
+        """A message on one of the client's data channels, counted against its account. On
+        the events channel, {"type": "hello", "session": token} makes the channel the
+        session's (events go nowhere before); anything else is ignored."""
+        if (why := served.account.spend("messages", 1)) is not None:
+            self._overran(served, why)
+            return
+        if channel.label != "events" or not isinstance(message, str) or \
+                len(message) > MAX_CHANNEL_MESSAGE:
             return
         try:
             said = json.loads(message)
@@ -530,8 +563,18 @@ class Server:
             now = time.monotonic()
             if heard is None and served.pc.connectionState == "connected":
                 heard = now  # the first report is due from here
-            stats = await sender.getStats()
-            reports = [r.timestamp for r in stats.values() if r.type == "remote-inbound-rtp"]
+            stats = (await served.pc.getStats()).values()
+            # the offer bundles every section on one transport: its counts (and those of
+            # transports aiortc made and stopped, which stay 0) are all the client has sent
+            transports = [r for r in stats if r.type == "transport"]
+            why = served.account.spend_to(
+                "kB", sum(r.bytesReceived for r in transports) / BYTES_PER_KB) or \
+                served.account.spend_to("packets", sum(r.packetsReceived for r in transports))
+            if why is not None:
+                self._overran(served, why)
+                return
+            reports = [r.timestamp for r in stats
+                       if r.type == "remote-inbound-rtp" and r.kind == "video"]
             if reports and reports[0] != last:
                 last, heard = reports[0], now
             elif heard is not None and now - heard > self.peer_silent_s \
@@ -573,6 +616,13 @@ class Server:
                 return
             await asyncio.sleep(min(left, IDLE_POLL_S))
 
+    def _overran(self, served: Served, why: str) -> None:
+        """Ends the session whose client has sent more than its account allows (once)."""
+        if served.overrun is None and self._active(served):
+            served.overrun = why
+            log.warning("session %d: %s; ended", served.number, why)
+            asyncio.ensure_future(self.close(served, why))
+
     async def _failed(self, served: Served, message: str) -> None:
         """The session failed on its own (a rank died): tell the page, free the server; the
         next session starts on fresh ranks."""
@@ -603,6 +653,10 @@ class Server:
             try:
                 frame = await track.recv()
             except Exception:  # noqa: BLE001 - the track ended
+                return
+            why = served.account.spend("audio_s", frame.samples / frame.sample_rate)
+            if why is not None:
+                self._overran(served, why)
                 return
             for f in rs.resample(frame):
                 samples = np.ascontiguousarray(f.to_ndarray().reshape(-1))
