@@ -111,6 +111,21 @@ def test_a_malformed_offer_gets_a_json_400(server, body, says):
     assert status == 400 and says in error_of(status, ctype, data)
 
 
+def test_an_offer_that_bundles_not_every_section_gets_a_400(server):
+    """Every section of an offer must arrive on one transport (the client's traffic is
+    counted on it): a section left out of the BUNDLE group, or no group, is refused before a
+    session starts."""
+    sdp = offer_sdp("video", "audio", direction="recvonly", events=True)
+    assert "a=group:BUNDLE 0 1 2\r\n" in sdp
+    for group, says in (("a=group:BUNDLE 0 1\r\n", "('2')"), ("", "('0 1 2')")):
+        body = {"type": "offer", "sdp": sdp.replace("a=group:BUNDLE 0 1 2\r\n", group)}
+        status, ctype, data = server.request("/offer", json.dumps(body).encode())
+        assert status == 400, data
+        assert f"leaves media sections out of its BUNDLE group {says}" in error_of(
+            status, ctype, data)
+    assert json.loads(server.request("/status")[2])["state"] == "ready"
+
+
 def test_an_oversized_upload_gets_a_json_413(server):
     status, ctype, data = server.request("/offer", b"x" * (65 * 1024 * 1024))
     assert status == 413 and "too large" in error_of(status, ctype, data)
