@@ -4,9 +4,9 @@ aiortc receives, decrypts and parses every packet a peer sends in Python, on the
 that every session's media shares: a connected client that floods its data channel or sends
 its microphone faster than real time costs every other session its frames
 (scripts/flood_neighbour.py measures it; docs/PERFORMANCE.md). So each session keeps an
-account of what its client sends, in token buckets: a steady rate, and a burst that may come at once above it
-(credit saved while quiet never exceeds the burst). A client past any of them has its
-session ended, saying why.
+account of what its client sends, in token buckets: a steady rate, and a burst that may
+come at once above it (credit saved while quiet never exceeds the burst). A client past
+any of them has its session ended, saying why.
 
 The allowances leave a wide margin over what the real clients send. Measured on the tiny
 LiveTalk engine (2026-12-07): the page in Chromium with its microphone sends about 5 kB and

@@ -555,10 +555,9 @@ class Server:
         connection reads "connected" until ICE's consent expires (30 s): every WebRTC
         receiver reports on the video it gets (RTCP receiver reports, about every second),
         so a session whose client has connected and then not reported for peer_silent_s is
-        ended."""
-        sender = next((s for s in served.pc.getSenders() if s.kind == "video"), None)
+        ended. The same stats give what the client has sent, for its account."""
         last, heard = None, None
-        while self._active(served) and sender is not None:
+        while self._active(served):
             await asyncio.sleep(PEER_POLL_S)
             now = time.monotonic()
             if heard is None and served.pc.connectionState == "connected":
