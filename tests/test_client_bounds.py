@@ -14,7 +14,7 @@ import pytest
 from charengine.runtime.client_bounds import ALLOWANCES, Allowance, Bucket, ClientAccount
 from charengine.runtime.server import Served, Server
 from engines import ROOT, build_target
-from netns import can_netns, namespace
+from netns import can_netns, end_server, in_ns, namespace, serve_in
 
 
 class Clock:
@@ -113,37 +113,29 @@ def test_a_flooding_client_ends_its_own_session_and_a_real_time_one_is_kept(tmp_
     real time for longer than every burst lasts is not ended."""
     engine = build_target(tmp_path)
     with namespace("charflood", "10.233.4") as ns:
-        run = lambda *cmd: ["ip", "netns", "exec", ns, *cmd]  # noqa: E731
-        port = 8790
-        server = subprocess.Popen(run(sys.executable, "-m", "charengine.runtime.cli",
-                                      "--engine", str(engine), "--serve", "--port", str(port),
-                                      "--health-port", str(port + 1)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        url = f"http://127.0.0.1:{port}/"
+        server, url = serve_in(ns, engine, 8790)
+        # until /status reads ready: the engine loaded, or the last session's slot free
+        ready = in_ns(ns, sys.executable, "-c", "import json, sys, time, urllib.request\n"
+                      "for _ in range(1200):\n"
+                      "    if json.load(urllib.request.urlopen(sys.argv[1]))['state'] == "
+                      "'ready': print('ready'); break\n"
+                      "    time.sleep(0.1)\n", url + "status")
         try:
-            status = run(sys.executable, "-c", "import json, sys, time, urllib.request\n"
-                         "for _ in range(1200):\n"
-                         "    try:\n"
-                         "        s = json.load(urllib.request.urlopen(sys.argv[1]))\n"
-                         "        if s['state'] == 'ready': print('ready'); break\n"
-                         "    except OSError: pass\n"
-                         "    time.sleep(0.1)\n", url + "status")
-            assert subprocess.run(status, capture_output=True, text=True,
+            assert subprocess.run(ready, capture_output=True, text=True,
                                   timeout=150).stdout.strip() == "ready"
             got = {}
             for flood, seconds in (("messages", 60), ("kB", 60), ("audio", 60),
                                    ("real-time", 8)):
-                r = subprocess.run(run(sys.executable, str(ROOT / "tests/flooding_client.py"),
-                                       "--url", url, "--flood", flood, "--seconds",
-                                       str(seconds)), capture_output=True, text=True,
+                r = subprocess.run(in_ns(ns, sys.executable, str(ROOT / "tests/flooding_client.py"),
+                                         "--url", url, "--flood", flood, "--seconds",
+                                         str(seconds)), capture_output=True, text=True,
                                    timeout=seconds + 60)
                 assert r.returncode == 0, r.stderr
                 got[flood] = json.loads(r.stdout.strip().splitlines()[-1])
-                ready = subprocess.run(status, capture_output=True, text=True, timeout=150)
-                assert ready.stdout.strip() == "ready", (flood, ready.stderr)
+                freed = subprocess.run(ready, capture_output=True, text=True, timeout=150)
+                assert freed.stdout.strip() == "ready", (flood, freed.stderr)
         finally:
-            server.terminate()
-            out = server.communicate(timeout=30)[0]
+            out = end_server(server)
     assert "Traceback" not in out, out
     whys = {"messages": "the client sent more than 10 messages a second on its data channels",
             "kB": "the client sent more than 64 kB a second",

@@ -6,16 +6,14 @@ state and sentences, the engine line, the live numbers and the chart; getStats()
 what arrived."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
 from engines import ROOT, build_target
-from netns import can_netns, namespace
+from netns import can_netns, end_server, in_ns, namespace, serve_in
 
 CHROMIUM = shutil.which("chromium")
 
@@ -39,57 +37,16 @@ def netns():
         yield name
 
 
-def _in_ns(ns, *cmd):
-    return ["ip", "netns", "exec", ns, *cmd]
-
-
-def _wait_http(ns, url, timeout=60):
-    end = time.time() + timeout
-    while time.time() < end:
-        r = subprocess.run(_in_ns(ns, sys.executable, "-c",
-                                  f"import urllib.request; urllib.request.urlopen('{url}')"),
-                           capture_output=True)
-        if r.returncode == 0:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(url)
-
-
 def _get(ns, url) -> str:
-    return subprocess.run(_in_ns(ns, sys.executable, "-c",
-                                 f"import urllib.request; print(urllib.request.urlopen('{url}')"
-                                 ".read().decode())"), capture_output=True, text=True,
+    return subprocess.run(in_ns(ns, sys.executable, "-c",
+                                f"import urllib.request; print(urllib.request.urlopen('{url}')"
+                                ".read().decode())"), capture_output=True, text=True,
                           check=True).stdout
 
 
-def _serve(ns, engine, port, *flags):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    server = subprocess.Popen(_in_ns(ns, sys.executable, "-m", "charengine.runtime.cli",
-                                     "--engine", str(engine), "--serve", "--port", str(port),
-                                     *flags),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        _wait_http(ns, url)
-    except TimeoutError:
-        server.kill()
-        raise
-    return server, url
-
-
-def _end(server) -> str:
-    server.terminate()
-    try:
-        out, _ = server.communicate(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        out, _ = server.communicate()
-    return out
-
-
 def _client(ns, url, *args, timeout=180):
-    r = subprocess.run(_in_ns(ns, sys.executable, str(ROOT / "tests/browser_client.py"),
-                              "--url", url, *args), capture_output=True, text=True,
+    r = subprocess.run(in_ns(ns, sys.executable, str(ROOT / "tests/browser_client.py"),
+                             "--url", url, *args), capture_output=True, text=True,
                        timeout=timeout)
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -135,7 +92,7 @@ def test_the_page_as_a_first_visit_meets_it(netns, tmp_path):
     """Engine line, a file that is not an image, speech that is not audio, a session's states,
     the live numbers and chart from the page itself (the same numbers as /metrics), 24 fps
     with audio by getStats(), two widths, Interrupt, Stop, and a proxy's 502 without JSON."""
-    server, url = _serve(netns, build_target(tmp_path), 8765)
+    server, url = serve_in(netns, build_target(tmp_path), 8765)
     try:
         notes = tmp_path / "notes.txt"
         notes.write_text("not a face, not a voice\n" * 40)
@@ -144,7 +101,7 @@ def test_the_page_as_a_first_visit_meets_it(netns, tmp_path):
                     "speech.wav")), "--not-image", str(notes), "--seconds", "3")
         metrics_after = _get(netns, url + "metrics")
     finally:
-        out = _end(server)
+        out = end_server(server)
     assert "Traceback" not in out, out
 
     loaded = t["loaded"]
@@ -208,20 +165,20 @@ def test_the_page_as_a_first_visit_meets_it(netns, tmp_path):
 
 
 def test_the_microphone_streams_and_a_server_that_vanishes_is_told(netns, tmp_path):
-    server, url = _serve(netns, build_target(tmp_path), 8768)
+    server, url = serve_in(netns, build_target(tmp_path), 8768)
     try:
-        client = subprocess.Popen(_in_ns(netns, sys.executable,
-                                         str(ROOT / "tests/browser_client.py"), "--url", url,
-                                         "--image", str(ROOT / "assets/face.png"), "--mic",
-                                         "--seconds", "4", "--wait-error", "30",
-                                         "--shot", str(tmp_path / "mic.png")),
+        client = subprocess.Popen(in_ns(netns, sys.executable,
+                                        str(ROOT / "tests/browser_client.py"), "--url", url,
+                                        "--image", str(ROOT / "assets/face.png"), "--mic",
+                                        "--seconds", "4", "--wait-error", "30",
+                                        "--shot", str(tmp_path / "mic.png")),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert client.stdout.readline().strip() == "STREAMING", client.stderr.read()
         server.kill()  # the server goes away mid-session, without a word
         out, err = client.communicate(timeout=120)
         assert client.returncode == 0, out + err
     finally:
-        _end(server)
+        end_server(server)
     stats = json.loads(out.strip().splitlines()[-1])
     assert _fps(stats) > 0, stats
     _audio_flows(stats)
@@ -237,14 +194,14 @@ def test_a_session_nothing_is_said_to_ends_after_the_idle_timeout(netns, tmp_pat
     """--idle-timeout 4: a client that sends no speech streams its character listening,
     then gets {"type": "ended"} with why, its connection closed; the log says why and the
     server takes the next session."""
-    server, url = _serve(netns, build_target(tmp_path), 8773, "--idle-timeout", "4")
+    server, url = serve_in(netns, build_target(tmp_path), 8773, "--idle-timeout", "4")
     try:
-        r = subprocess.run(_in_ns(netns, sys.executable, str(ROOT / "tests/webrtc_client.py"),
-                                  "--url", url, "--seconds", "60"),
+        r = subprocess.run(in_ns(netns, sys.executable, str(ROOT / "tests/webrtc_client.py"),
+                                 "--url", url, "--seconds", "60"),
                            capture_output=True, text=True, timeout=120)
         status = json.loads(_get(netns, url + "status"))
     finally:
-        out = _end(server)
+        out = end_server(server)
     said = [json.loads(ln) for ln in r.stdout.splitlines()]
     kinds = [s["kind"] for s in said]
     assert "streaming" in kinds and "timeout" not in kinds, said
@@ -260,14 +217,14 @@ def test_a_rank_that_dies_mid_session_is_told_to_the_page_and_the_next_session_r
         netns, tmp_path):
     import psutil
 
-    server, url = _serve(netns, build_target(tmp_path, "cpu-tiny-tp2"), 8766)
+    server, url = serve_in(netns, build_target(tmp_path, "cpu-tiny-tp2"), 8766)
     try:
-        client = subprocess.Popen(_in_ns(netns, sys.executable,
-                                         str(ROOT / "tests/browser_client.py"), "--url", url,
-                                         "--image", str(ROOT / "assets/face.png"),
-                                         "--speech", str(ROOT / "assets/speech.wav"),
-                                         "--seconds", "0", "--wait-error", "40",
-                                         "--shot", str(tmp_path / "e.png")),
+        client = subprocess.Popen(in_ns(netns, sys.executable,
+                                        str(ROOT / "tests/browser_client.py"), "--url", url,
+                                        "--image", str(ROOT / "assets/face.png"),
+                                        "--speech", str(ROOT / "assets/speech.wav"),
+                                        "--seconds", "0", "--wait-error", "40",
+                                        "--shot", str(tmp_path / "e.png")),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert client.stdout.readline().strip() == "STREAMING", client.stderr.read()
         ranks = [p for p in psutil.Process(server.pid).children(recursive=True)
@@ -285,19 +242,19 @@ def test_a_rank_that_dies_mid_session_is_told_to_the_page_and_the_next_session_r
                 str(ROOT / "assets/speech.wav"), "--seconds", "2",
                 "--shot", str(tmp_path / "again.png"))  # fresh ranks: video flows again
     finally:
-        out = _end(server)
+        out = end_server(server)
     assert "Traceback" not in out, out
 
 
 def test_the_page_streams_livetalk_at_16fps_to_chromium(netns, tmp_path):
-    server, url = _serve(netns, build_target(tmp_path, "cpu-tiny-livetalk"), 8767)
+    server, url = serve_in(netns, build_target(tmp_path, "cpu-tiny-livetalk"), 8767)
     try:
         stats = _client(netns, url, "--image", str(ROOT / "assets/face.png"), "--speech",
                         str(ROOT / "assets/speech.wav"), "--seconds", "4",
                         "--shot", str(tmp_path / "page.png"))
         status = json.loads(_get(netns, url + "status"))
     finally:
-        out = _end(server)
+        out = end_server(server)
     assert "Traceback" not in out, out
     assert _fps(stats) > 0, stats
     assert stats["last"]["video"]["frameWidth"] == 64
@@ -320,16 +277,16 @@ def test_no_page_the_user_visits_can_take_the_server_over(netns, tmp_path):
     host it does not serve or a page it does not know, 415 for a body that is not JSON) or
     stopped by the browser (a preflight the server never grants, a frame of the page the
     server forbids); the session streams on, the only one started."""
-    server, url = _serve(netns, build_target(tmp_path), 8770, "--health-port", "8771")
-    victim = subprocess.Popen(_in_ns(netns, sys.executable, str(ROOT / "tests/webrtc_client.py"),
-                                     "--url", url, "--seconds", "120"),
+    server, url = serve_in(netns, build_target(tmp_path), 8770, "--health-port", "8771")
+    victim = subprocess.Popen(in_ns(netns, sys.executable, str(ROOT / "tests/webrtc_client.py"),
+                                    "--url", url, "--seconds", "120"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         said = next((json.loads(ln) for ln in iter(victim.stdout.readline, "")
                      if json.loads(ln)["kind"] in ("streaming", "refused")), None)
         assert said and said["kind"] == "streaming", said
-        r = subprocess.run(_in_ns(netns, sys.executable, str(ROOT / "tests/hostile_page.py"),
-                                  "--url", url, "--health", "8771", "--chromium", CHROMIUM),
+        r = subprocess.run(in_ns(netns, sys.executable, str(ROOT / "tests/hostile_page.py"),
+                                 "--url", url, "--health", "8771", "--chromium", CHROMIUM),
                            capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, r.stdout + r.stderr
         attacks = json.loads(r.stdout.strip().splitlines()[-1])
@@ -338,7 +295,7 @@ def test_no_page_the_user_visits_can_take_the_server_over(netns, tmp_path):
     finally:
         victim.terminate()
         victim.communicate(timeout=30)
-        out = _end(server)
+        out = end_server(server)
     assert status["state"] == "streaming" and status["sessions"] == 1, status
     answered = attacks["server"]
     assert answered, attacks
