@@ -8,18 +8,19 @@ session ends or --seconds pass:
 - audio: its microphone's audio as fast as it encodes (far faster than real time);
 - real-time: its microphone at real time, as a person or a voice bot does (nothing more).
 It prints one JSON line at the end: the session's end as the server told it ("why"), the
-connection's state, and how much it sent."""
+connection's state, and how much it sent. An offer refused: its status on stderr, exit 1."""
 
 import argparse
 import asyncio
 import fractions
 import json
 import time
-import urllib.request
 
 import av
 import numpy as np
 from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription
+
+from webrtc_client import http
 
 RATE = 48000  # the microphone's samples a second, as browsers send Opus
 FRAME = 960  # 20 ms
@@ -52,13 +53,6 @@ class Microphone(MediaStreamTrack):
         frame.time_base = fractions.Fraction(1, RATE)
         self.pts += FRAME
         return frame
-
-
-def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
 
 
 async def main(args) -> dict:
@@ -96,8 +90,11 @@ async def main(args) -> dict:
         asyncio.ensure_future(drain())
 
     await pc.setLocalDescription(await pc.createOffer())
-    answer = await asyncio.get_running_loop().run_in_executor(
-        None, post, args.url + "offer", {"sdp": pc.localDescription.sdp, "type": "offer"})
+    status, answer = await asyncio.get_running_loop().run_in_executor(
+        None, http, args.url + "offer", {"sdp": pc.localDescription.sdp, "type": "offer"})
+    if status != 200:
+        await pc.close()
+        raise SystemExit(f"the offer was refused: {status} {answer}")
     events.on("open", lambda: events.send(json.dumps({"type": "hello",
                                                       "session": answer["session"]})))
     await pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
