@@ -3,8 +3,9 @@
 (tests/webrtc_client.py), and beside it, for `--seconds`, one of:
 - alone: nothing (the baseline);
 - real-time: a second client speaking at real time (a person, a voice bot);
-- messages, kB, audio: a client flooding its data channel with small messages, sending
-  60 kB messages, or sending its microphone as fast as it encodes (tests/flooding_client.py).
+- messages, kB, audio, stun: a client flooding its data channel with small messages,
+  sending 60 kB messages, sending its microphone as fast as it encodes, or sending ICE
+  checks signed with its session's password as fast as they go (tests/flooding_client.py).
 The second client runs at the lowest CPU priority (nice 19), so on a machine of few cores
 what it costs the first session is the server's doing, not its own. Each arm runs --runs
 times; the JSON has every run and each arm's medians: the first session's stalls and their
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_density import free_port, serve, stop  # noqa: E402
 
-ARMS = ("alone", "real-time", "messages", "kB", "audio")
+ARMS = ("alone", "real-time", "messages", "kB", "audio", "stun")
 WARM_S = 2.0  # the first session plays this long before the second comes
 TAIL_S = 3.0  # and this long after the window
 STREAMING_TIMEOUT_S = 60.0
@@ -87,7 +88,8 @@ def one_run(engine: str, arm: str, seconds: float) -> dict:
     last = stats[-1] if stats else {}
     return {"arm": arm, "stalls": last.get("stalls"), "stall_s": last.get("stall_s"),
             "playback_fps": last.get("playback_fps"), "server_cpu_pct": round(cpu, 1),
-            "second_ended": got.get("why"), "second_sent_bytes": got.get("bytes")}
+            "second_ended": got.get("why"), "second_sent_bytes": got.get("bytes"),
+            "second_sent_checks": got.get("checks")}
 
 
 def main(argv=None) -> None:

@@ -6,9 +6,12 @@ session ends or --seconds pass:
 - messages: small messages on the events channel, as fast as they go;
 - kB: 60 kB messages, a few a second (fewer messages than the page may send, many bytes);
 - audio: its microphone's audio as fast as it encodes (far faster than real time);
-- real-time: its microphone at real time, as a person or a voice bot does (nothing more).
+- real-time: its microphone at real time, as a person or a voice bot does (nothing more);
+- stun: ICE binding requests on its connection's pair, signed with the session's ICE
+  password as its own checks are, as fast as they go (the server answers each).
 It prints one JSON line at the end: the session's end as the server told it ("why"), the
-connection's state, and how much it sent. An offer refused: its status on stderr, exit 1."""
+connection's state, and how much it sent (messages and bytes on the channel, ICE checks).
+An offer refused: its status on stderr, exit 1."""
 
 import argparse
 import asyncio
@@ -65,7 +68,7 @@ async def main(args) -> dict:
         pc.addTransceiver("audio", direction="recvonly")
     events = pc.createDataChannel("events")
     ended, got = asyncio.Event(), {"why": None, "ended": False}
-    sent = {"messages": 0, "bytes": 0}
+    sent = {"messages": 0, "bytes": 0, "checks": 0}
 
     @events.on("message")
     def on_message(message):
@@ -104,6 +107,22 @@ async def main(args) -> dict:
         sent["messages"] += 1
         sent["bytes"] += len(message)
 
+    async def stun_flood():
+        while events.readyState != "open":
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the hello first
+        ice = pc.sctp.transport.transport.iceGatherer._connection  # aioice's, which checks
+        pair = ice._nominated[1]
+        key = ice.remote_password.encode("utf8")
+        while pc.connectionState == "connected":
+            for _ in range(BATCH):
+                request = ice.build_request(pair, nominate=False)
+                request.add_message_integrity(key)
+                request.add_fingerprint()
+                pair.protocol.send_stun(request, pair.remote_addr)
+                sent["checks"] += 1
+            await asyncio.sleep(0)
+
     async def flood():
         while events.readyState != "open":
             await asyncio.sleep(0.01)
@@ -119,7 +138,8 @@ async def main(args) -> dict:
                 send(LARGE)
                 await asyncio.sleep(LARGE_EVERY_S)
 
-    flooding = asyncio.ensure_future(flood()) if args.flood in ("messages", "kB") else None
+    flooding = (asyncio.ensure_future(flood()) if args.flood in ("messages", "kB")
+                else asyncio.ensure_future(stun_flood()) if args.flood == "stun" else None)
     try:
         await asyncio.wait_for(ended.wait(), args.seconds)
     except asyncio.TimeoutError:
@@ -134,6 +154,7 @@ async def main(args) -> dict:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True, help="the page, e.g. http://127.0.0.1:8080/")
-    ap.add_argument("--flood", required=True, choices=("messages", "kB", "audio", "real-time"))
+    ap.add_argument("--flood", required=True,
+                    choices=("messages", "kB", "audio", "real-time", "stun"))
     ap.add_argument("--seconds", type=float, default=30.0)
     print(json.dumps(asyncio.run(main(ap.parse_args()))), flush=True)
