@@ -312,7 +312,10 @@ def peer_cases() -> list[Case]:
                  during=client_floods("kB"), **peer),
             Case("serve-client-microphone-unpaced", "serve", serve,
                  ended(ALLOWANCES["audio_s"].why()),
-                 during=client_floods("audio"), **peer)]
+                 during=client_floods("audio"), **peer),
+            Case("serve-client-floods-ice-checks", "serve", serve,
+                 ended(ALLOWANCES["ice_checks"].why()),
+                 during=client_floods("stun"), **peer)]
 
 
 def all_cases() -> list[Case]:

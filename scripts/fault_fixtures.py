@@ -744,9 +744,11 @@ def client_floods(flood: str) -> Callable[[Running, dict], None]:
         poll = subprocess.run(in_netns(sys.executable, "-c", READY_POLL, url),
                               capture_output=True, text=True, timeout=60)
         ctx["facts"].update(why=got.get("why"), ready_again=poll.returncode == 0)
-        ctx["notes"].append(f"{flood}: {got.get('messages', 0):,} messages of "
-                            f"{got.get('bytes', 0):,} bytes on its data channel; ended: "
-                            f"{got.get('why') or 'no'}; slot free again: {poll.returncode == 0}"
+        sent = (f"{got.get('checks', 0):,} ICE checks" if flood == "stun" else
+                f"{got.get('messages', 0):,} messages of {got.get('bytes', 0):,} bytes on its "
+                "data channel")
+        ctx["notes"].append(f"{flood}: {sent}; ended: {got.get('why') or 'no'}; slot free "
+                            f"again: {poll.returncode == 0}"
                             if got else f"the client failed: {r.stderr.strip()[-200:]}")
         stop_server(running)
     return during

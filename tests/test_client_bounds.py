@@ -11,7 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from charengine.runtime.client_bounds import ALLOWANCES, Allowance, Bucket, ClientAccount
+from aioice import stun
+from aiortc import RTCPeerConnection
+
+from charengine.runtime.client_bounds import (ALLOWANCES, Allowance, Bucket, ClientAccount,
+                                              watch_ice_checks)
 from charengine.runtime.server import Served, Server
 from engines import ROOT, build_target
 from netns import can_netns, end_server, in_ns, namespace, serve_in
@@ -52,7 +56,9 @@ def test_an_account_says_which_allowance_a_client_went_past():
     assert account.spend("audio_s", 5.0) is None
     assert account.spend("audio_s", 0.02) == ("the client's microphone ran more than 5 s ahead "
                                               "of real time")
-    assert set(ALLOWANCES) == {"kB", "packets", "messages", "audio_s"}
+    assert account.spend_to("ice_checks", 200) is None
+    assert account.spend("ice_checks", 1) == "the client sent more than 20 ICE checks a second"
+    assert set(ALLOWANCES) == {"kB", "packets", "messages", "audio_s", "ice_checks"}
 
 
 def test_the_microphone_is_heard_until_it_runs_ahead_of_real_time():
@@ -105,12 +111,46 @@ def test_every_data_channel_message_counts_and_the_hello_still_works_within_them
     assert overran == ["the client sent more than 10 messages a second on its data channels"]
 
 
+def test_ice_checks_are_asked_for_and_one_refused_goes_unanswered():
+    """The answering side's real ICE connection (aiortc's offer bundles its video and its
+    data channel on one transport): each binding request asks the account first; the one it
+    refuses gets no answer, the one it allows ICE's own (here 400: it names no user)."""
+    async def main():
+        offerer, answerer = RTCPeerConnection(), RTCPeerConnection()
+        offerer.addTransceiver("video", direction="recvonly")
+        offerer.createDataChannel("events")
+        await offerer.setLocalDescription(await offerer.createOffer())
+        await answerer.setRemoteDescription(offerer.localDescription)
+        await answerer.setLocalDescription(await answerer.createAnswer())
+        verdicts = iter([True, False, True])
+        watched = watch_ice_checks(answerer, lambda: next(verdicts))
+        connection = answerer.sctp.transport.transport.iceGatherer._connection
+        sent = []
+        protocol = SimpleNamespace(send_stun=lambda message, addr: sent.append(message))
+        ids = []
+        for _ in range(3):
+            request = stun.Message(message_method=stun.Method.BINDING,
+                                   message_class=stun.Class.REQUEST)
+            ids.append(request.transaction_id)
+            connection.request_received(request, ("10.0.0.1", 9), protocol)
+        await offerer.close()
+        await answerer.close()
+        return watched, ids, sent
+
+    watched, ids, sent = asyncio.run(main())
+    assert watched == 1
+    assert [m.transaction_id for m in sent] == [ids[0], ids[2]]
+    assert all(m.message_class == stun.Class.ERROR and m.attributes["ERROR-CODE"][0] == 400
+               for m in sent)
+
+
 @pytest.mark.skipif(not can_netns(), reason="needs root (network namespaces) and iproute2")
 def test_a_flooding_client_ends_its_own_session_and_a_real_time_one_is_kept(tmp_path):
-    """A real server: clients that flood their data channel with messages or with bytes, or
-    send their microphone faster than real time, each have their session ended saying why
-    (in the page's events and the log), and the slot is free again; a client speaking at
-    real time for longer than every burst lasts is not ended."""
+    """A real server: clients that flood their data channel with messages or with bytes,
+    send their microphone faster than real time, or send ICE checks as fast as they go
+    (which ICE answers before the transport counts a packet), each have their session ended
+    saying why (in the page's events and the log), and the slot is free again; a client
+    speaking at real time for longer than every burst lasts is not ended."""
     engine = build_target(tmp_path)
     with namespace("charflood", "10.233.4") as ns:
         server, url = serve_in(ns, engine, 8790)
@@ -124,7 +164,7 @@ def test_a_flooding_client_ends_its_own_session_and_a_real_time_one_is_kept(tmp_
             assert subprocess.run(ready, capture_output=True, text=True,
                                   timeout=150).stdout.strip() == "ready"
             got = {}
-            for flood, seconds in (("messages", 60), ("kB", 60), ("audio", 60),
+            for flood, seconds in (("messages", 60), ("kB", 60), ("audio", 60), ("stun", 60),
                                    ("real-time", 8)):
                 r = subprocess.run(in_ns(ns, sys.executable, str(ROOT / "tests/flooding_client.py"),
                                          "--url", url, "--flood", flood, "--seconds",
@@ -139,10 +179,12 @@ def test_a_flooding_client_ends_its_own_session_and_a_real_time_one_is_kept(tmp_
     assert "Traceback" not in out, out
     whys = {"messages": "the client sent more than 10 messages a second on its data channels",
             "kB": "the client sent more than 64 kB a second",
-            "audio": "the client's microphone ran more than 5 s ahead of real time"}
+            "audio": "the client's microphone ran more than 5 s ahead of real time",
+            "stun": "the client sent more than 20 ICE checks a second"}
     for flood, why in whys.items():
         assert got[flood]["ended"] and got[flood]["why"] == why, (flood, got[flood])
         assert f": {why}; ended" in out, out
     assert got["messages"]["messages"] > 50 and got["kB"]["bytes"] > 256_000, got
+    assert got["stun"]["checks"] > 200, got
     assert not got["real-time"]["ended"] and got["real-time"]["state"] == "connected", got
-    assert out.count("; ended") == 3, out
+    assert out.count("; ended") == 4, out

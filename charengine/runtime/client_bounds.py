@@ -1,17 +1,19 @@
 """What one client may send a --serve session, and the account that holds it to that.
 
 aiortc receives, decrypts and parses every packet a peer sends in Python, on the event loop
-that every session's media shares: a connected client that floods its data channel or sends
-its microphone faster than real time costs every other session its frames
-(scripts/flood_neighbour.py measures it; docs/PERFORMANCE.md). So each session keeps an
-account of what its client sends, in token buckets: a steady rate, and a burst that may
-come at once above it (credit saved while quiet never exceeds the burst). A client past
-any of them has its session ended, saying why.
+that every session's media shares: a connected client that floods its data channel, sends
+its microphone faster than real time or sends ICE checks as fast as they go costs every
+other session its frames (scripts/flood_neighbour.py measures it; docs/PERFORMANCE.md). So
+each session keeps an account of what its client sends, in token buckets: a steady rate,
+and a burst that may come at once above it (credit saved while quiet never exceeds the
+burst). A client past any of them has its session ended, saying why.
 
 The allowances leave a wide margin over what the real clients send. Measured on the tiny
 LiveTalk engine (2026-12-07): the page in Chromium with its microphone sends about 5 kB and
 58 packets a second, an aiortc client speaking at real time (as charengine.pipecat does)
-about 11 kB and 62 packets, and each says one message on its data channel (the hello).
+about 11 kB and 62 packets, and each says one message on its data channel (the hello); over
+30 s the page made 19 ICE checks (4 in its first second), the aiortc client 8. A browser
+behind NAT, with IPv6 and a TURN server, checks a few dozen candidate pairs at the start.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ class Allowance:
 
 
 # what a client may send: kB and packets on its transport (every section of the offer is
-# bundled on one), messages on its data channels (a channel's opening counts as one), and
-# seconds of audio from its microphone (real time, and a network's delay delivered at once)
+# bundled on one), messages on its data channels (a channel's opening counts as one),
+# seconds of audio from its microphone (real time, and a network's delay delivered at once),
+# and ICE checks (STUN binding requests) to its transport's port, which ICE answers before
+# any of the others counts a packet
 ALLOWANCES = {
     "kB": Allowance(64.0, 256.0, "the client sent more than {per_s:g} kB a second"),
     "packets": Allowance(300.0, 1500.0, "the client sent more than {per_s:g} packets a second"),
@@ -44,6 +48,8 @@ ALLOWANCES = {
                                       "on its data channels"),
     "audio_s": Allowance(1.0, 5.0, "the client's microphone ran more than {burst:g} s ahead "
                                    "of real time"),
+    "ice_checks": Allowance(20.0, 200.0, "the client sent more than {per_s:g} ICE checks a "
+                                         "second"),
 }
 
 
@@ -83,3 +89,25 @@ class ClientAccount:
     def spend_to(self, kind: str, total: float) -> str | None:
         """spend() for a count the transport keeps (its total so far)."""
         return self.spend(kind, max(0.0, total - self.totals[kind]))
+
+
+def watch_ice_checks(pc, allow: Callable[[], bool]) -> int:
+    """Puts `allow` before the answer to every ICE check (STUN request) that reaches `pc`'s
+    transports: a check it returns False for goes unanswered. aiortc gives no public hold on
+    them: aioice's connection, under each transport's ICE gatherer, answers them itself.
+    Returns how many connections are watched (one: the offer bundles every section)."""
+    transports = [t.receiver.transport for t in pc.getTransceivers()]
+    if pc.sctp is not None:
+        transports.append(pc.sctp.transport)
+    connections = {id(c): c for c in (t.transport.iceGatherer._connection
+                                      for t in transports if t is not None)}
+    for connection in connections.values():
+        connection.request_received = _allowed(connection.request_received, allow)
+    return len(connections)
+
+
+def _allowed(answer: Callable, allow: Callable[[], bool]) -> Callable:
+    def request_received(message, addr, protocol) -> None:
+        if allow():
+            answer(message, addr, protocol)
+    return request_received

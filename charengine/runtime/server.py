@@ -53,7 +53,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 
 from .access import (JSON_TYPE, PAGE_HEADERS, UPLOAD_RETRY_AFTER_S, Access, UploadGate,
                      same_token)
-from .client_bounds import ClientAccount
+from .client_bounds import ClientAccount, watch_ice_checks
 from .formats import (MAX_UPLOAD_SPEECH_S, ImageFit, MediaError, data_url_bytes,
                       prompt_problem, quoted, upload_message)
 from .garbage import collect_after_session
@@ -480,6 +480,7 @@ class Server:
                                  "page's own offer") from None
             self.sessions += 1
             served = Served(secrets.token_urlsafe(TOKEN_BYTES), self.sessions, lane, None, pc)
+            watch_ice_checks(pc, lambda: self._ice_check(served))
             served.session = LiveSession(
                 self.lanes[lane], out.publish, self.slack, self.metrics,
                 session_id=str(served.number),
@@ -614,6 +615,14 @@ class Server:
                 await self.close(served, why)
                 return
             await asyncio.sleep(min(left, IDLE_POLL_S))
+
+    def _ice_check(self, served: Served) -> bool:
+        """An ICE check from the client, counted against its account: False (unanswered)
+        once past it, the session then ended."""
+        why = served.account.spend("ice_checks", 1)
+        if why is not None:
+            self._overran(served, why)
+        return why is None
 
     def _overran(self, served: Served, why: str) -> None:
         """Ends the session whose client has sent more than its account allows (once)."""
