@@ -2,6 +2,7 @@
 --serve --sessions 2` with one session playing to a client that only watches
 (tests/webrtc_client.py), and beside it, for `--seconds`, one of:
 - alone: nothing (the baseline);
+- watch: a second client that only watches (what a second session costs by itself);
 - real-time: a second client speaking at real time (a person, a voice bot);
 - messages, kB, audio, stun: a client flooding its data channel with small messages,
   sending 60 kB messages, sending its microphone as fast as it encodes, or sending ICE
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_density import free_port, serve, stop  # noqa: E402
 
-ARMS = ("alone", "real-time", "messages", "kB", "audio", "stun")
+ARMS = ("alone", "watch", "real-time", "messages", "kB", "audio", "stun")
 WARM_S = 2.0  # the first session plays this long before the second comes
 TAIL_S = 3.0  # and this long after the window
 STREAMING_TIMEOUT_S = 60.0

@@ -3,6 +3,7 @@ scripts/fault_matrix.py inside a network namespace of their own. It makes the pa
 (video and audio to receive, the events channel; with a microphone for `audio` and
 `real-time`), says the session's id on the events channel, and then sends, until the
 session ends or --seconds pass:
+- watch: nothing (it only watches, as a page nobody speaks to does);
 - messages: small messages on the events channel, as fast as they go;
 - kB: 60 kB messages, a few a second (fewer messages than the page may send, many bytes);
 - audio: its microphone's audio as fast as it encodes (far faster than real time);
@@ -155,6 +156,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True, help="the page, e.g. http://127.0.0.1:8080/")
     ap.add_argument("--flood", required=True,
-                    choices=("messages", "kB", "audio", "real-time", "stun"))
+                    choices=("watch", "messages", "kB", "audio", "real-time", "stun"))
     ap.add_argument("--seconds", type=float, default=30.0)
     print(json.dumps(asyncio.run(main(ap.parse_args()))), flush=True)
