@@ -144,6 +144,17 @@ def test_ice_checks_are_asked_for_and_one_refused_goes_unanswered():
                for m in sent)
 
 
+def test_an_aiortc_that_holds_its_checks_elsewhere_is_watched_nowhere_and_says_so():
+    """A transport whose gatherer has no aioice connection where watch_ice_checks looks:
+    nothing is wrapped and it says 0 (the server then logs that checks go uncounted)."""
+    gatherer = SimpleNamespace(connection=SimpleNamespace(request_received=print))
+    transport = SimpleNamespace(transport=SimpleNamespace(iceGatherer=gatherer))
+    pc = SimpleNamespace(getTransceivers=lambda: [SimpleNamespace(receiver=SimpleNamespace(
+        transport=transport))], sctp=None)
+    assert watch_ice_checks(pc, lambda: False) == 0
+    assert gatherer.connection.request_received is print
+
+
 @pytest.mark.skipif(not can_netns(), reason="needs root (network namespaces) and iproute2")
 def test_a_flooding_client_ends_its_own_session_and_a_real_time_one_is_kept(tmp_path):
     """A real server: clients that flood their data channel with messages or with bytes,

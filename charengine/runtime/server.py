@@ -480,7 +480,9 @@ class Server:
                                  "page's own offer") from None
             self.sessions += 1
             served = Served(secrets.token_urlsafe(TOKEN_BYTES), self.sessions, lane, None, pc)
-            watch_ice_checks(pc, lambda: self._ice_check(served))
+            if not watch_ice_checks(pc, lambda: self._ice_check(served)):
+                log.warning("session %d: its ICE checks are not counted (this aiortc holds "
+                            "them where charengine does not look)", served.number)
             served.session = LiveSession(
                 self.lanes[lane], out.publish, self.slack, self.metrics,
                 session_id=str(served.number),
