@@ -108,10 +108,13 @@ async def main(args) -> dict:
         sent["messages"] += 1
         sent["bytes"] += len(message)
 
-    async def stun_flood():
+    async def after_hello():
         while events.readyState != "open":
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)  # the hello first
+
+    async def stun_flood():
+        await after_hello()
         ice = pc.sctp.transport.transport.iceGatherer._connection  # aioice's, which checks
         pair = ice._nominated[1]
         key = ice.remote_password.encode("utf8")
@@ -125,9 +128,7 @@ async def main(args) -> dict:
             await asyncio.sleep(0)
 
     async def flood():
-        while events.readyState != "open":
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)  # the hello first
+        await after_hello()
         while events.readyState == "open":
             if events.bufferedAmount > MAX_BUFFERED:
                 await asyncio.sleep(0.01)
@@ -139,8 +140,8 @@ async def main(args) -> dict:
                 send(LARGE)
                 await asyncio.sleep(LARGE_EVERY_S)
 
-    flooding = (asyncio.ensure_future(flood()) if args.flood in ("messages", "kB")
-                else asyncio.ensure_future(stun_flood()) if args.flood == "stun" else None)
+    flooder = {"messages": flood, "kB": flood, "stun": stun_flood}.get(args.flood)
+    flooding = asyncio.ensure_future(flooder()) if flooder is not None else None
     try:
         await asyncio.wait_for(ended.wait(), args.seconds)
     except asyncio.TimeoutError:
