@@ -58,6 +58,8 @@ const page = {
   connectingSince: 0, // when Start was pressed (performance.now())
   lastSteps: [],      // the chart's last [seconds ago, step seconds]
   usingMic: false,    // the session's speech is the microphone's
+  interrupting: false, // Interrupt pressed, the server's own "interrupted" not yet heard:
+                       // a state it sent before the barge-in does not undo the page's
   state: "loading",
 };
 
@@ -355,6 +357,7 @@ async function start() {
   }
   page.active = true;
   page.errored = false;
+  page.interrupting = false;
   page.connectingSince = performance.now();
   updateButtons();
   setState("connecting");
@@ -449,6 +452,10 @@ function serverSaid(pc, e) {
 
 function showSessionState(state) {
   if (state === "ended") return;  // the "ended" event closes the session
+  if (page.interrupting) {
+    if (state !== "interrupted") return;  // sent before the server took the barge-in
+    page.interrupting = false;
+  }
   if (state !== page.state) setState(state);
 }
 
@@ -507,13 +514,15 @@ function sessionRequest() {
 }
 
 async function interrupt() {
+  page.interrupting = true;
   const got = await request("/interrupt", "interrupt", "Could not interrupt",
                             sessionRequest());
   if (got.error) {
+    page.interrupting = false;
     fail(got.error);
     return;
   }
-  if (page.active) setState("interrupted");
+  if (page.active && page.interrupting) setState("interrupted");
 }
 
 async function stop() {
