@@ -4,8 +4,9 @@ audio as TTSAudioRawFrames of 20 ms at the TTS's rate, TTSStoppedFrame, with a t
 before and after each turn), the service, and a sink that records every frame leaving it.
 
 Scenarios (--scenario):
-- speak: turns of the speech file, each --gap-s after the last one's voice has left the
-  service; the TTS streams at real time (--tts-speed 1) or in bursts (4: four times real time).
+- speak: turns of the speech file, each played out: the next turn (or the tail) --gap-s
+  after the last one's voice has left the service; the TTS streams at real time (--tts-speed
+  1) or in bursts (4: four times real time).
 - interrupt: a turn, a barge-in (Pipecat's interruption) --interrupt-after-s after its first
   voiced frame left the service, then a second turn.
 - open: the session is opened and the pipeline ended at once (for a server that refuses).
@@ -166,7 +167,7 @@ async def run(args) -> dict:
                 first = await first_voice_after(t)
                 report["turns"].append({"tts_first_s": round(t, 4), "latency_s":
                                         None if first is None else round(first - t, 4)})
-                if first is not None and turn + 1 < args.turns:
+                if first is not None:  # the turn plays out, however fast its TTS sent it
                     await quiet_for(args.gap_s)
         elif args.scenario == "interrupt":
             stop = asyncio.Event()
