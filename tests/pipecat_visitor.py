@@ -1,9 +1,10 @@
 """A visitor of a Pipecat bot on SmallWebRTCTransport, without a browser (aiortc), run by the
 tests inside their network namespace: it offers to the bot's /api/offer (what Pipecat's
 prebuilt page posts), sends a speech file as its microphone after --lead-s, receives the
-bot's video and audio for --seconds, and prints one JSON line: the video frames and their
-size, the audio's seconds and its voiced seconds, and the connection's state at the end
-(before the visitor closes it)."""
+bot's video and audio for --seconds (or, given --frames or --voiced-s, until it has that
+many video frames and seconds of voice), and prints one JSON line: the video frames and
+their size, the audio's seconds and its voiced seconds, and the connection's state at the
+end (before the visitor closes it)."""
 
 import argparse
 import asyncio
@@ -20,6 +21,7 @@ from charengine.pipecat import SpeechTrack
 from charengine.pipecat.service import voiced
 
 MIC_RATE = 48000
+POLL_S = 0.1
 
 
 def read_speech(path: str) -> np.ndarray:
@@ -64,7 +66,11 @@ async def main(args) -> None:
     await pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
     await asyncio.sleep(args.lead_s)
     mic.push(read_speech(args.speech))
-    await asyncio.sleep(args.seconds - args.lead_s)
+    end = time.monotonic() + args.seconds - args.lead_s
+    wanted = bool(args.frames or args.voiced_s)  # or all of --seconds
+    while time.monotonic() < end and (not wanted or got["frames"] < args.frames or
+                                      got["voiced_s"] < args.voiced_s):
+        await asyncio.sleep(POLL_S)
     got["state"] = pc.connectionState
     await pc.close()
     for task in tasks:
@@ -79,5 +85,8 @@ if __name__ == "__main__":
     ap.add_argument("--url", required=True, help="the bot's runner, e.g. http://127.0.0.1:7860/")
     ap.add_argument("--speech", required=True)
     ap.add_argument("--lead-s", type=float, default=2.0)
-    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--seconds", type=float, default=10.0,
+                    help="how long it receives (with --frames or --voiced-s: the most)")
+    ap.add_argument("--frames", type=int, default=0, help="video frames to receive")
+    ap.add_argument("--voiced-s", type=float, default=0.0, help="seconds of voice to receive")
     asyncio.run(main(ap.parse_args()))

@@ -29,11 +29,11 @@ def test_barge_in_stops_voiced_frames_at_once_and_returns_to_listening(worker):
     s.say(torch.randn(16000 * 4) * 0.1)
     assert wait_until(lambda: sum(v for _, v in log) >= 24, 20)
     t_int = s.interrupt()
-    time.sleep(1.0)
+    # listening frames flow again: a second of them, however fast this machine plays them
+    assert wait_until(lambda: sum(not v for t, v in log if t > t_int) >= 24, 60)
     s.stop()
     voiced_after = [t for t, v in log if v and t > t_int]
     assert voiced_after == []  # how soon the last one played: scripts/bench_bargein.py
-    assert any(not v for t, v in log if t > t_int)  # listening frames flow again
 
 
 def test_listening_between_turns_then_speaking(worker):

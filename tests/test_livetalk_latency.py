@@ -80,7 +80,7 @@ def test_speech_in_turns_arrives_in_bursts_and_its_speech_to_lips_is_measured(
     assert [k for k in range(101) if feeder.starts_turn(k)] == [0, 50, 100]
     assert lat.Feeder(None, torch.zeros(16000), 16000).due(50) == pytest.approx(1.0)
     assert speaking.tag() == "_turns-1-0.5_burst-4"
-    doc = lat.run(engine_dir, chunks=6, warmup=1, unpaced=0, decode_reps=0, speaking=speaking)
+    doc = lat.run(engine_dir, chunks=12, warmup=1, unpaced=0, decode_reps=0, speaking=speaking)
     assert doc["speaking"] == {"turn_s": 1.0, "pause_s": 0.5, "rate": 4.0}
     sl = doc["speech_latency_ms"]
     assert sl["p50"] is not None and 0 < sl["p50"] <= sl["max"], sl

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.slow
 CHARRUN = [sys.executable, "-m", "charengine.runtime.cli"]
 GRACE_S = 6.0  # the tests' --grace-period
 SESSION_AFTER_SIGTERM_S = GRACE_S - min(END_RESERVE_S, GRACE_S / 2)  # as lifecycle.Drain has it
+REPORT_S = 0.5  # between a streaming client's frame counts
 
 
 def free_port() -> int:
@@ -295,7 +296,7 @@ def test_sigterm_mid_session_keeps_streaming_then_tells_the_peer_and_exits_0(
         client = subprocess.Popen(
             [*netns, sys.executable, str(ROOT / "tests/webrtc_client.py"), "--url",
              "http://127.0.0.1:8080/", "--readyz", f"{c.probes}/readyz", "--image",
-             str(ROOT / "assets/face.png"), "--seconds", "60"],
+             str(ROOT / "assets/face.png"), "--seconds", "60", "--report", str(REPORT_S)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         said, t_term = [], None
         for line in client.stdout:
@@ -315,10 +316,12 @@ def test_sigterm_mid_session_keeps_streaming_then_tells_the_peer_and_exits_0(
     assert len(draining) == 1 and len(ended) == 1, events
     assert draining[0]["event"]["ends_in_s"] == pytest.approx(SESSION_AFTER_SIGTERM_S, abs=0.3)
     assert "stopping" in draining[0]["event"]["message"]
-    # the session went on streaming after SIGTERM: about 24 frames a second for the time left
-    streamed = ended[0]["frames"] - draining[0]["frames"]
-    assert streamed >= 24 * (SESSION_AFTER_SIGTERM_S - 0.5), (draining, ended)
+    # the session went on streaming after SIGTERM for the time left: frames kept arriving in
+    # its first half and in its second (how many a second is this machine's)
     assert ended[0]["t"] - draining[0]["t"] >= SESSION_AFTER_SIGTERM_S - 0.3
+    middle = (draining[0]["t"] + ended[0]["t"]) / 2
+    by_middle = max(s["frames"] for s in said if "frames" in s and s["t"] <= middle)
+    assert draining[0]["frames"] < by_middle < ended[0]["frames"], (draining, said, ended)
     closed = [s for s in said if s["kind"] == "connection" and s["state"] == "closed"]
     assert closed and closed[0]["t"] >= ended[0]["t"], said
     ready = [s["state"] for s in said if s["kind"] == "readyz"]

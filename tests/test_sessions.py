@@ -112,8 +112,8 @@ def test_three_sessions_stream_at_once_and_the_fourth_is_told_to_retry(netns, tm
         assert wait(lambda: any("serving on" in ln for ln in lines), 120), "".join(lines)
         status, _, ready = request(netns, PROBES + "/readyz")
         assert status == 200 and ready["state"] == "ready", ready
-        clients = [Client(netns, image, 90) for image in images]
-        assert wait(lambda: all(c.first("streaming") for c in clients), 120), \
+        clients = [Client(netns, image, 600) for image in images]  # killed at the end
+        assert wait(lambda: all(c.first("streaming") for c in clients), 240), \
             ([c.said for c in clients], "".join(lines))
         status, _, body = request(netns, PAGE + "/status")
         assert (body["active"], body["capacity"]) == (3, 3), body
