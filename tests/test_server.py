@@ -438,6 +438,39 @@ def test_a_live_session_reports_its_states_and_the_latency_of_its_speech(engines
     assert states[-2:] == ["interrupted", "ended"], states
 
 
+def test_a_client_is_owed_its_first_report_only_once_video_has_gone_out():
+    """The peer watchdog: a connected client that has had no video yet sends no receiver
+    report and is not freed for it (a loaded server's first frames take seconds); once video
+    has gone out, a client silent for peer_silent_s is."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from charengine.runtime.server import PEER_POLL_S, Served, Server
+
+    silent_s, unsent_polls = 1.0, 8  # four seconds with no video: past silent_s four times
+    polls, closed = [], []
+
+    async def get_stats():
+        polls.append(len(closed))
+        sent = len(polls) > unsent_polls
+        return {"t": SimpleNamespace(type="transport", bytesReceived=0, packetsReceived=0),
+                "v": SimpleNamespace(type="outbound-rtp", kind="video",
+                                     packetsSent=10 if sent else 0)}
+
+    served = Served("t", 1, 0, None, SimpleNamespace(connectionState="connected",
+                                                     getStats=get_stats))
+
+    async def close(only):
+        closed.append(len(polls))
+        this.live.clear()
+
+    this = SimpleNamespace(live={0: served}, peer_silent_s=silent_s, close=close)
+    this._active = lambda s: this.live.get(0) is s
+    asyncio.run(Server._peer_watchdog(this, served))
+    assert len(closed) == 1, (closed, polls)
+    assert closed[0] >= unsent_polls + silent_s / PEER_POLL_S, (closed, polls)
+
+
 def test_a_barge_in_that_drops_the_speech_in_flight_drops_it_up_to_the_first_silence():
     """/interrupt with "in_flight": "drop": the microphone's frames still arriving loud are
     dropped; from its first silent frame on, everything is heard again; and a client that

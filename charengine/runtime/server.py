@@ -563,9 +563,13 @@ class Server:
         while self._active(served):
             await asyncio.sleep(PEER_POLL_S)
             now = time.monotonic()
-            if heard is None and served.pc.connectionState == "connected":
-                heard = now  # the first report is due from here
             stats = (await served.pc.getStats()).values()
+            # the first report is due once video has gone out: a receiver reports on what it
+            # gets, and a session's first frames may take a loaded server seconds to make
+            if heard is None and served.pc.connectionState == "connected" and any(
+                    r.type == "outbound-rtp" and r.kind == "video" and r.packetsSent
+                    for r in stats):
+                heard = now
             # the offer bundles every section on one transport: its counts (and those of
             # transports aiortc made and stopped, which stay 0) are all the client has sent
             transports = [r for r in stats if r.type == "transport"]
