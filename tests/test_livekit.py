@@ -21,6 +21,7 @@ from engines import build_target  # noqa: E402
 
 LISTENED_FRAMES = 12  # half a second at 24 fps: long enough for speech to come back, were it to
 
+
 class Publication:
     async def wait_for_subscription(self):
         return None
@@ -92,7 +93,6 @@ async def until(pred, timeout):
     return pred()
 
 
-
 def listening_after(items, t_clear) -> int | None:
     """The index, among the items after a barge-in, of the first listening frame (video with
     no audio after it), None before one: the frames the barge-in found in flight may still
@@ -115,6 +115,7 @@ def silent_after_the_clear(items, t_clear) -> bool:
     k = listening_after(items, t_clear)
     after = [x for t, x in items if t > t_clear]
     return k is not None and not any(isinstance(x, rtc.AudioFrame) for x in after[k:])
+
 
 def test_audio_per_frame_must_divide_the_frame_rate():
     assert frame_samples(24000, 24) == 1000 and frame_samples(48000, 24) == 2000
