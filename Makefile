@@ -23,7 +23,7 @@ assets: $(VENV)/.installed
 	$(PY) scripts/make_demo_media.py --out assets
 
 test: $(VENV)/.installed
-	@echo "make test: 16 to 22 minutes on 2 cores (the browser and image tests run as root)"
+	@echo "make test: 16 to 40 minutes on 2 cores (the browser and image tests run as root)"
 	$(PY) -m pytest -q
 
 .PHONY: install demo assets test
