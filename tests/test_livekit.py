@@ -93,28 +93,27 @@ async def until(pred, timeout):
     return pred()
 
 
-def listening_after(items, t_clear) -> int | None:
-    """The index, among the items after a barge-in, of the first listening frame (video with
-    no audio after it), None before one: the frames the barge-in found in flight may still
-    play, then the character listens."""
+def after_listening(items, t_clear) -> list | None:
+    """The items from the first listening frame (video with no audio after it) after a
+    barge-in on, None before one: the frames the barge-in found in flight may still play,
+    then the character listens."""
     after = [x for t, x in items if t > t_clear]
-    return next((k for k, x in enumerate(after) if isinstance(x, rtc.VideoFrame) and
-                 (k + 1 == len(after) or isinstance(after[k + 1], rtc.VideoFrame))), None)
+    k = next((k for k, x in enumerate(after) if isinstance(x, rtc.VideoFrame) and
+              (k + 1 == len(after) or isinstance(after[k + 1], rtc.VideoFrame))), None)
+    return None if k is None else after[k:]
 
 
 def listened_for(items, t_clear, frames: int) -> bool:
     """Whether `frames` video frames have followed the first listening frame after a
     barge-in (the time speech had to come back in, were it to)."""
-    k = listening_after(items, t_clear)
-    after = [x for t, x in items if t > t_clear]
-    return k is not None and sum(isinstance(x, rtc.VideoFrame) for x in after[k:]) > frames
+    rest = after_listening(items, t_clear)
+    return rest is not None and sum(isinstance(x, rtc.VideoFrame) for x in rest) > frames
 
 
 def silent_after_the_clear(items, t_clear) -> bool:
     """Whether, once the first listening frame follows a barge-in, no speech follows it."""
-    k = listening_after(items, t_clear)
-    after = [x for t, x in items if t > t_clear]
-    return k is not None and not any(isinstance(x, rtc.AudioFrame) for x in after[k:])
+    rest = after_listening(items, t_clear)
+    return rest is not None and not any(isinstance(x, rtc.AudioFrame) for x in rest)
 
 
 def test_audio_per_frame_must_divide_the_frame_rate():

@@ -448,11 +448,11 @@ def test_a_client_is_owed_its_first_report_only_once_video_has_gone_out():
     from charengine.runtime.server import PEER_POLL_S, Served, Server
 
     silent_s, unsent_polls = 1.0, 8  # four seconds with no video: past silent_s four times
-    polls, closed = [], []
+    polls, closed = [0], []
 
     async def get_stats():
-        polls.append(len(closed))
-        sent = len(polls) > unsent_polls
+        polls[0] += 1
+        sent = polls[0] > unsent_polls
         return {"t": SimpleNamespace(type="transport", bytesReceived=0, packetsReceived=0),
                 "v": SimpleNamespace(type="outbound-rtp", kind="video",
                                      packetsSent=10 if sent else 0)}
@@ -461,7 +461,7 @@ def test_a_client_is_owed_its_first_report_only_once_video_has_gone_out():
                                                      getStats=get_stats))
 
     async def close(only):
-        closed.append(len(polls))
+        closed.append(polls[0])
         this.live.clear()
 
     this = SimpleNamespace(live={0: served}, peer_silent_s=silent_s, close=close)
