@@ -7,9 +7,10 @@ Speech is 16 kHz mono. Step i takes the next step's worth of samples from the sp
 padded with silence for what has not arrived. Just in time (the default), the take waits
 until that speech has arrived (or the turn ended), or until its deadline, whichever comes
 first: the step's play slot (when the frames queued and in flight before it will have
-played) less the session's processing time (take to first frames at the pacer, less any
-time the frames waited for the pacer's room, the most of the last `PROCESSING_WINDOW` steps
-after the first; once a step of the steady shape has been
+played) less the session's processing time (take to first frames at the pacer, the most of
+the last `PROCESSING_WINDOW` steps after the first that did not wait behind the step before
+it or for the pacer's room: a step taken early, as a burst of speech's are, does, and its
+time says nothing of a step taken just in time; once a step of the steady shape has been
 measured, of those alone: `Family.steady_from`, as a LiveTalk session's cache-filling chunks
 take longer) and a margin. So a silent or stalled
 microphone never starves playback, and speech waits in no queue: from a step's last speech
@@ -59,8 +60,13 @@ STATES = ("starting", "speaking", "listening", "interrupted", "ended")
 MIN_STALL_FRAMES = 1.0  # a step this many frame times late holds a frame visibly: a stall
 # steps whose processing times (take to first frames) the deadline covers: more than the
 # characters family's position-reset period (42 steps), so a reset step's extra time stays in
+# the window
 PROCESSING_WINDOW = 64
 DEADLINE_MARGIN_FRAMES = 0.5  # frame times between a step's first frames and its slot
+# a step that waited longer than this (frame times) behind the step before it and for the
+# pacer's room (taken early, as a burst of speech's steps are) is not measured: its take to
+# first frames is not what a step taken just in time takes
+MEASURED_WAIT_FRAMES = 0.5
 WAIT_POLL_S = 0.05  # a take waiting for its speech looks at its deadline at least this often
 # speech complete this many frame times before its deadline plays that much later than it
 # could: leading silence is dropped from the buffer until it is RESYNC_KEEP_FRAMES early (a
@@ -459,10 +465,11 @@ class LiveSession:
         if f0 == 0:
             with self.count_lock:
                 now = self.pacer.clock()
-                took = now - taken.taken_t - self._waited(taken.taken_t, now)
+                pushing = self._waited(taken.taken_t, now)
+                took = now - taken.taken_t - pushing
                 if i == 0:
                     self.first_processing = took
-                else:
+                elif pushing + self._queued_s(i) <= MEASURED_WAIT_FRAMES / self.spec.fps:
                     self.processing.append((i, took))
             self.speech.wake()  # the next take's deadline moved
             if self.metrics and i > 0:
@@ -489,6 +496,12 @@ class LiveSession:
     def _waited(self, a: float, b: float) -> float:
         """Seconds of [a, b] the sink spent in pushes to the pacer (its backpressure)."""
         return sum(max(0.0, min(e, b) - max(s, a)) for s, e in self.push_waits)
+
+    def _queued_s(self, i: int) -> float:
+        """How long step i's audio features waited for the diffusion stage, busy with the
+        step before it."""
+        span = self.pipeline.times.queued_span(i)
+        return 0.0 if span is None else span[1] - span[0]
 
     def _run(self) -> None:
         try:

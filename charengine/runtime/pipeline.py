@@ -70,6 +70,9 @@ class StepTimes:
     sink: list[tuple[float, float]] = field(default_factory=list)
     # the decode's start and the end of its first piece (live mode; a render's is `decode`)
     first_piece: list[tuple[float, float]] = field(default_factory=list)
+    # (step, its audio features ready, the diffusion stage taking them): how long the step
+    # waited behind the step before it (a step taken early, as a burst of speech is)
+    queued: list[tuple[int, float, float]] = field(default_factory=list)
     busy: dict[str, list] = field(default_factory=lambda: {p: [] for p in PARTS})
 
     def add_busy(self, part: str, span) -> None:
@@ -83,6 +86,16 @@ class StepTimes:
             return None
         x = spans[i]
         return x.seconds(wait) if isinstance(x, DeviceSpan) else x
+
+    def queued_span(self, i: int) -> tuple[float, float] | None:
+        """When step i's audio features were ready and when the diffusion stage took them
+        (None before it has taken them)."""
+        for j, ready, taken in reversed(self.queued):
+            if j == i:
+                return ready, taken
+            if j < i:
+                return None
+        return None
 
     def busy_s(self, part: str) -> list[float]:
         """Every step's device seconds in `part`, its work waited for (after a run); the
@@ -214,7 +227,7 @@ class Pipeline:
             out = (_unwrap(self.times, "audio", out[0]), out[1])
         else:
             out = (_unwrap(self.times, "audio", out), None)
-        self._put(self.audio_q, (i, out))
+        self._put(self.audio_q, (i, out, time.perf_counter()))
 
     def _decoder(self, steps: int | None) -> None:
         i = 0
@@ -238,7 +251,8 @@ class Pipeline:
     def _diffusion(self, steps: int | None) -> None:
         i = 0
         while steps is None or i < steps:
-            j, (feats, meta) = self._get(self.audio_q)
+            j, (feats, meta), ready = self._get(self.audio_q)
+            self.times.queued.append((j, ready, time.perf_counter()))
             latent = self._timed(self.times.diffusion, self.diffuse, j, feats)
             if isinstance(latent, Timed):  # read once the decoder has waited for it
                 self.times.add_busy("diffusion", latent.span)
