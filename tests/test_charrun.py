@@ -207,6 +207,32 @@ def test_pipeline_overlaps_decoding_with_the_next_diffusion_and_applies_backpres
         assert ahead <= i + 5
 
 
+def test_the_pipeline_counts_the_time_a_step_is_held_behind_the_one_before_it():
+    """A step whose audio features are ready while the diffusion stage is still busy with the
+    step before it waits in the queue; the pipeline counts that wait as the step's held time
+    (which a live session takes out of its processing time)."""
+    from charengine.runtime.pipeline import Pipeline
+
+    held_s = 0.2
+    encoded = [threading.Event() for _ in range(3)]
+
+    def encode(i):
+        encoded[i].set()
+        return torch.zeros(1)
+
+    def diffuse(i, feats):
+        if i == 0:  # busy until step 1's features wait, and then a while
+            assert encoded[1].wait(30)
+            time.sleep(held_s)
+        return feats
+
+    frames = []
+    t = Pipeline(encode, diffuse, lambda latent: latent).run(3, lambda i, f: frames.append(i))
+    assert frames == [0, 1, 2]
+    assert sorted(t.held) == [0, 1, 2]
+    assert t.held[1] >= held_s / 2  # (less the moment between its event and its return)
+
+
 def test_a_failure_mid_session_leaves_a_playable_mp4(engine_dir, tmp_path):
     from charengine.runtime.render import Rendered, render
 

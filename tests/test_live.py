@@ -333,8 +333,8 @@ def test_after_a_burst_of_speech_the_takes_come_back_to_just_in_time(livetalk):
     time again: no more ahead of playback than the most a step's own work took (its speech
     encoded, its latent denoised, its first frames decoded), the margin and the hand-offs
     between the stages. A step taken early waits behind the step before it and for the
-    pacer's room, and is not measured for the deadlines (were it, every step after a burst
-    would keep the burst's lead, and the next turn would play seconds late)."""
+    pacer's room, and that wait is not counted in its processing time (were it, every step
+    after a burst would keep the burst's lead, and the next turn would play seconds late)."""
     spec = livetalk.spec
     chunk = spec.frames_per_latent
     s = LiveSession(livetalk, lambda f, a, t, v: None)

@@ -7,12 +7,12 @@ Speech is 16 kHz mono. Step i takes the next step's worth of samples from the sp
 padded with silence for what has not arrived. Just in time (the default), the take waits
 until that speech has arrived (or the turn ended), or until its deadline, whichever comes
 first: the step's play slot (when the frames queued and in flight before it will have
-played) less the session's processing time (take to first frames at the pacer, the most of
-the last `PROCESSING_WINDOW` steps after the first that did not wait behind the step before
-it or for the pacer's room: a step taken early, as a burst of speech's are, does, and its
-time says nothing of a step taken just in time; once a step of the steady shape has been
-measured, of those alone: `Family.steady_from`, as a LiveTalk session's cache-filling chunks
-take longer) and a margin. So a silent or stalled
+played) less the session's processing time (take to first frames at the pacer, less the
+time the step was held in the pipeline's queues behind the steps before it, as the steps of
+a burst of speech, taken early, are; the most of the last `PROCESSING_WINDOW` steps after
+the first; once a step of the steady shape has been measured, of those alone:
+`Family.steady_from`, as a LiveTalk session's cache-filling chunks take longer) and a
+margin. So a silent or stalled
 microphone never starves playback, and speech waits in no queue: from a step's last speech
 to its first frame is the processing time and the margin. The first step is taken at once
 (the character shows as soon as it can); until a later step's processing time is known, the
@@ -63,10 +63,6 @@ MIN_STALL_FRAMES = 1.0  # a step this many frame times late holds a frame visibl
 # the window
 PROCESSING_WINDOW = 64
 DEADLINE_MARGIN_FRAMES = 0.5  # frame times between a step's first frames and its slot
-# a step that waited longer than this (frame times) behind the step before it and for the
-# pacer's room (taken early, as a burst of speech's steps are) is not measured: its take to
-# first frames is not what a step taken just in time takes
-MEASURED_WAIT_FRAMES = 0.5
 WAIT_POLL_S = 0.05  # a take waiting for its speech looks at its deadline at least this often
 # speech complete this many frame times before its deadline plays that much later than it
 # could: leading silence is dropped from the buffer until it is RESYNC_KEEP_FRAMES early (a
@@ -298,12 +294,6 @@ class LiveSession:
         self.estimate = processing_estimate if processing_estimate is not None \
             else worker.processing_s
         self.sinking = (-1, 0)  # (step, its frames sunk so far)
-        # (start, end) on the pacer's clock of the last pushes to the pacer: a push waits
-        # while the pacer holds its slack (frames taken ahead of speech that came in a
-        # burst), and a step's frames reach the sink that much later, which is not its
-        # processing time
-        self.push_waits: collections.deque[tuple[float, float]] = \
-            collections.deque(maxlen=PROCESSING_WINDOW)
         # why each of the last steps was taken when it was, just in time: "speech" (it had
         # all arrived, or a turn's end) or "deadline" (it had not: a silent microphone, or
         # speech arriving late)
@@ -465,11 +455,10 @@ class LiveSession:
         if f0 == 0:
             with self.count_lock:
                 now = self.pacer.clock()
-                pushing = self._waited(taken.taken_t, now)
-                took = now - taken.taken_t - pushing
+                took = now - taken.taken_t - self.pipeline.times.held.pop(i, 0.0)
                 if i == 0:
                     self.first_processing = took
-                elif pushing + self._queued_s(i) <= MEASURED_WAIT_FRAMES / self.spec.fps:
+                else:
                     self.processing.append((i, took))
             self.speech.wake()  # the next take's deadline moved
             if self.metrics and i > 0:
@@ -486,22 +475,9 @@ class LiveSession:
         with self.count_lock:
             self.frames_pushed += frames.shape[0]
         self._queued()
-        t0 = self.pacer.clock()
         self.pacer.push(LiveStep(frames, taken.chunk[s0:s1], taken.voiced,
                                  taken.ended and f1 == total, f1 == total, arrivals))
-        with self.count_lock:
-            self.push_waits.append((t0, self.pacer.clock()))
         self._queued()
-
-    def _waited(self, a: float, b: float) -> float:
-        """Seconds of [a, b] the sink spent in pushes to the pacer (its backpressure)."""
-        return sum(max(0.0, min(e, b) - max(s, a)) for s, e in self.push_waits)
-
-    def _queued_s(self, i: int) -> float:
-        """How long step i's audio features waited for the diffusion stage, busy with the
-        step before it."""
-        span = self.pipeline.times.queued_span(i)
-        return 0.0 if span is None else span[1] - span[0]
 
     def _run(self) -> None:
         try:

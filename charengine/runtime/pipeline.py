@@ -70,9 +70,11 @@ class StepTimes:
     sink: list[tuple[float, float]] = field(default_factory=list)
     # the decode's start and the end of its first piece (live mode; a render's is `decode`)
     first_piece: list[tuple[float, float]] = field(default_factory=list)
-    # (step, its audio features ready, the diffusion stage taking them): how long the step
-    # waited behind the step before it (a step taken early, as a burst of speech is)
-    queued: list[tuple[int, float, float]] = field(default_factory=list)
+    # seconds each step was held in the queues on its way to the sink (its audio features
+    # waiting for the diffusion stage, its latent for the decoder, its first frames for the
+    # sink): behind the steps before it, not working (a step taken early, as a burst of
+    # speech's are, waits so); until its first frames are at the sink, which may pop it
+    held: dict[int, float] = field(default_factory=dict)
     busy: dict[str, list] = field(default_factory=lambda: {p: [] for p in PARTS})
 
     def add_busy(self, part: str, span) -> None:
@@ -86,16 +88,6 @@ class StepTimes:
             return None
         x = spans[i]
         return x.seconds(wait) if isinstance(x, DeviceSpan) else x
-
-    def queued_span(self, i: int) -> tuple[float, float] | None:
-        """When step i's audio features were ready and when the diffusion stage took them
-        (None before it has taken them)."""
-        for j, ready, taken in reversed(self.queued):
-            if j == i:
-                return ready, taken
-            if j < i:
-                return None
-        return None
 
     def busy_s(self, part: str) -> list[float]:
         """Every step's device seconds in `part`, its work waited for (after a run); the
@@ -168,6 +160,11 @@ class Pipeline:
         log.append((t0, time.perf_counter()))
         return out
 
+    def _held(self, i: int, since: float, until: float | None = None) -> None:
+        """Step i waited in a queue from `since` until `until` (now where not given)."""
+        until = time.perf_counter() if until is None else until
+        self.times.held[i] = self.times.held.get(i, 0.0) + until - since
+
     def _guard(self, fn):
         def run():
             try:
@@ -206,10 +203,11 @@ class Pipeline:
             if steps is None or i < steps:
                 self._encode(i)
             if i >= 1:
-                j, latent, meta = self._get(self.latent_q)
+                j, latent, meta, ready = self._get(self.latent_q)
+                self._held(j, ready)
                 frames = _unwrap(self.times, "decode",
                                  self._timed(self.times.decode, self.decode, latent))
-                self._put(self.frame_q, (j, frames, meta, True))
+                self._put(self.frame_q, (j, frames, meta, True, time.perf_counter()))
             i += 1
 
     def _audio(self, steps: int | None) -> None:
@@ -232,8 +230,9 @@ class Pipeline:
     def _decoder(self, steps: int | None) -> None:
         i = 0
         while steps is None or i < steps:
-            j, latent, meta = self._get(self.latent_q)
+            j, latent, meta, ready = self._get(self.latent_q)
             t0 = time.perf_counter()
+            self._held(j, ready, t0)
             pieces = self.decode_pieces(latent) if self.pieces else iter((self.decode(latent),))
             busy = 0.0
             for k, frames in enumerate(pieces):
@@ -242,21 +241,21 @@ class Pipeline:
                 if isinstance(frames, Timed):  # each piece's work is done when it is handed on
                     busy += frames.seconds(wait=True)
                     frames = frames.value
-                self._put(self.frame_q, (j, frames, meta, False))
+                self._put(self.frame_q, (j, frames, meta, False, time.perf_counter()))
             self.times.decode.append((t0, time.perf_counter()))
             self.times.add_busy("decode", busy)
-            self._put(self.frame_q, (j, None, meta, True))  # the step's end
+            self._put(self.frame_q, (j, None, meta, True, None))  # the step's end
             i += 1
 
     def _diffusion(self, steps: int | None) -> None:
         i = 0
         while steps is None or i < steps:
             j, (feats, meta), ready = self._get(self.audio_q)
-            self.times.queued.append((j, ready, time.perf_counter()))
+            self._held(j, ready)
             latent = self._timed(self.times.diffusion, self.diffuse, j, feats)
             if isinstance(latent, Timed):  # read once the decoder has waited for it
                 self.times.add_busy("diffusion", latent.span)
-            self._put(self.latent_q, (j, latent, meta))
+            self._put(self.latent_q, (j, latent, meta, time.perf_counter()))
             i += 1
 
     def run(self, steps: int | None, sink: Callable) -> StepTimes:
@@ -275,8 +274,11 @@ class Pipeline:
         try:
             done, first = 0, True
             while steps is None or done < steps:
-                # a step's frames whole or a piece of them; (j, None, meta, True): its end
-                j, frames, meta, ends = self._get(self.frame_q)
+                # a step's frames whole or a piece of them, and when they were ready for the sink;
+                # (j, None, meta, True, None): its end
+                j, frames, meta, ends, ready = self._get(self.frame_q)
+                if first and frames is not None:
+                    self._held(j, ready)
                 if frames is not None:
                     args = (j, frames) if meta is None else (j, frames, meta)
                     t0 = time.perf_counter()
