@@ -163,7 +163,17 @@ class Pipeline:
     def _held(self, i: int, since: float, until: float | None = None) -> None:
         """Step i waited in a queue from `since` until `until` (now where not given)."""
         until = time.perf_counter() if until is None else until
-        self.times.held[i] = self.times.held.get(i, 0.0) + until - since
+        self.times.held[i] = self.times.held.get(i, 0.0) + max(0.0, until - since)
+
+    def _latent_held(self, i: int, latent, ready: tuple[float, float],
+                     until: float | None = None) -> None:
+        """Step i's latent waited for the decoder from when its work was done: its handing
+        over, or on a device its launch's start plus its busy time where that is later (the
+        work runs on while the latent waits); nothing if its work still ran when taken."""
+        started, handed = ready
+        busy = latent.seconds() if isinstance(latent, Timed) else 0.0
+        if busy is not None:
+            self._held(i, max(handed, started + busy), until)
 
     def _guard(self, fn):
         def run():
@@ -204,7 +214,7 @@ class Pipeline:
                 self._encode(i)
             if i >= 1:
                 j, latent, meta, ready = self._get(self.latent_q)
-                self._held(j, ready)
+                self._latent_held(j, latent, ready)
                 frames = _unwrap(self.times, "decode",
                                  self._timed(self.times.decode, self.decode, latent))
                 self._put(self.frame_q, (j, frames, meta, True, time.perf_counter()))
@@ -232,7 +242,7 @@ class Pipeline:
         while steps is None or i < steps:
             j, latent, meta, ready = self._get(self.latent_q)
             t0 = time.perf_counter()
-            self._held(j, ready, t0)
+            self._latent_held(j, latent, ready, t0)
             pieces = self.decode_pieces(latent) if self.pieces else iter((self.decode(latent),))
             busy = 0.0
             for k, frames in enumerate(pieces):
@@ -255,7 +265,10 @@ class Pipeline:
             latent = self._timed(self.times.diffusion, self.diffuse, j, feats)
             if isinstance(latent, Timed):  # read once the decoder has waited for it
                 self.times.add_busy("diffusion", latent.span)
-            self._put(self.latent_q, (j, latent, meta, time.perf_counter()))
+            # when the latent could be decoded: its work's end, which on a device is later
+            # than its launch's (its start and busy time, read by the decoder)
+            ready = (self.times.diffusion[-1][0], time.perf_counter())
+            self._put(self.latent_q, (j, latent, meta, ready))
             i += 1
 
     def run(self, steps: int | None, sink: Callable) -> StepTimes:
