@@ -7,8 +7,9 @@
 Every queue holds one item, so a slow stage holds the others back (backpressure). Each stage
 records when it starts and ends each step on the host, and the busy time of its work where
 it reports one (a stage's output as `Timed`: on a GPU the work a stage launches outlives its
-call, so its host interval is not its time); a failure in any stage stops all of them and is
-raised in the caller's thread.
+call, so its host interval is not its time), and how long each step was held in the queues
+behind the steps before it (`StepTimes.held`); a failure in any stage stops all of them and
+is raised in the caller's thread.
 
 A live session runs it in live mode (`live()`): the audio has a thread of its own, so a step
 may wait for its speech (`await_audio(i)`, before the take) without holding back the decode
