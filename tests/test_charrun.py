@@ -158,15 +158,37 @@ def test_a_second_ctrl_c_while_the_render_stops_keeps_its_mp4(engine_dir, tmp_pa
 def test_stage_threads_are_joined_through_a_ctrl_c():
     """A SIGINT while a pipeline joins its stages does not cut the join short: the stage ends
     first, and the join says an interrupt came (its caller raises it then)."""
+    from charengine.runtime.live import wait_until
     from charengine.runtime.pipeline import join_through_interrupts
 
-    stage = threading.Thread(target=time.sleep, args=(0.6,))
-    stage.start()
-    threading.Timer(0.1, signal.pthread_kill,
-                    (threading.main_thread().ident, signal.SIGINT)).start()
-    assert join_through_interrupts([stage], interrupted=False) is True
-    assert not stage.is_alive()
-    assert join_through_interrupts([stage], interrupted=False) is False
+    delivered = threading.Event()
+
+    def ctrl_c(signum, frame):  # as Python's own handler, and says when it ran
+        delivered.set()
+        raise KeyboardInterrupt
+
+    main = threading.main_thread().ident
+
+    def joining() -> bool:  # the main thread is inside join_through_interrupts
+        f = sys._current_frames().get(main)
+        while f is not None and f.f_code is not join_through_interrupts.__code__:
+            f = f.f_back
+        return f is not None
+
+    def stage():  # a stage that ends only once the Ctrl-C has reached the joining thread
+        assert wait_until(joining, 60)
+        signal.pthread_kill(main, signal.SIGINT)
+        assert delivered.wait(60)
+
+    before = signal.signal(signal.SIGINT, ctrl_c)
+    try:
+        t = threading.Thread(target=stage)
+        t.start()
+        assert join_through_interrupts([t], interrupted=False) is True
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert delivered.is_set() and not t.is_alive()
+    assert join_through_interrupts([t], interrupted=False) is False
 
 
 def test_pipeline_overlaps_decoding_with_the_next_diffusion_and_applies_backpressure(engine_dir):
