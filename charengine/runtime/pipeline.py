@@ -166,12 +166,13 @@ class Pipeline:
         until = time.perf_counter() if until is None else until
         self.times.held[i] = self.times.held.get(i, 0.0) + max(0.0, until - since)
 
-    def _latent_held(self, i: int, latent, ready: tuple[float, float],
+    def _latent_held(self, i: int, latent, diffused: tuple[float, float],
                      until: float | None = None) -> None:
-        """Step i's latent waited for the decoder from when its work was done: its handing
-        over, or on a device its launch's start plus its busy time where that is later (the
-        work runs on while the latent waits); nothing if its work still ran when taken."""
-        started, handed = ready
+        """Step i's latent waited for the decoder from when its work was done: the end of
+        the diffusion call that gave it (`diffused`, the call's host interval), or on a device
+        the call's start plus its busy time where that is later (the work runs on while the
+        latent waits); nothing if its work still ran when taken."""
+        started, handed = diffused
         busy = latent.seconds() if isinstance(latent, Timed) else 0.0
         if busy is not None:
             self._held(i, max(handed, started + busy), until)
@@ -214,8 +215,8 @@ class Pipeline:
             if steps is None or i < steps:
                 self._encode(i)
             if i >= 1:
-                j, latent, meta, ready = self._get(self.latent_q)
-                self._latent_held(j, latent, ready)
+                j, latent, meta, diffused = self._get(self.latent_q)
+                self._latent_held(j, latent, diffused)
                 frames = _unwrap(self.times, "decode",
                                  self._timed(self.times.decode, self.decode, latent))
                 self._put(self.frame_q, (j, frames, meta, True, time.perf_counter()))
@@ -241,9 +242,9 @@ class Pipeline:
     def _decoder(self, steps: int | None) -> None:
         i = 0
         while steps is None or i < steps:
-            j, latent, meta, ready = self._get(self.latent_q)
+            j, latent, meta, diffused = self._get(self.latent_q)
             t0 = time.perf_counter()
-            self._latent_held(j, latent, ready, t0)
+            self._latent_held(j, latent, diffused, t0)
             pieces = self.decode_pieces(latent) if self.pieces else iter((self.decode(latent),))
             busy = 0.0
             for k, frames in enumerate(pieces):
@@ -266,10 +267,9 @@ class Pipeline:
             latent = self._timed(self.times.diffusion, self.diffuse, j, feats)
             if isinstance(latent, Timed):  # read once the decoder has waited for it
                 self.times.add_busy("diffusion", latent.span)
-            # when the latent could be decoded: its work's end, which on a device is later
-            # than its launch's (its start and busy time, read by the decoder)
-            ready = (self.times.diffusion[-1][0], time.perf_counter())
-            self._put(self.latent_q, (j, latent, meta, ready))
+            # with the call's host interval: on a device its work ends later than the call
+            # (the decoder reads the work's end from the call's start and its busy time)
+            self._put(self.latent_q, (j, latent, meta, self.times.diffusion[-1]))
             i += 1
 
     def run(self, steps: int | None, sink: Callable) -> StepTimes:
@@ -291,9 +291,9 @@ class Pipeline:
                 # a step's frames whole or a piece of them, and when they were ready for the sink;
                 # (j, None, meta, True, None): its end
                 j, frames, meta, ends, ready = self._get(self.frame_q)
-                if first and frames is not None:
-                    self._held(j, ready)
                 if frames is not None:
+                    if first:
+                        self._held(j, ready)
                     args = (j, frames) if meta is None else (j, frames, meta)
                     t0 = time.perf_counter()
                     sink(*args)
