@@ -16,7 +16,7 @@ Scenarios (--scenario):
 Prints one JSON line: the engine, the frames (count, size, first and last time), each turn's
 latency (from its first TTS audio to the first voiced audio leaving the service: the
 character's frames leave with it), the barge-in time (from the interruption to the last
-voiced audio leaving), the text frames in the order they left, the errors pushed upstream.
+voiced audio leaving) and how much voiced audio left after it, the text frames in the order they left, the errors pushed upstream.
 With --out, the frames (RGB), the audio out, and their times, as .npz.
 
     python scripts/pipecat_turns.py --url http://127.0.0.1:8080/ --image face.png \\
@@ -79,6 +79,7 @@ class Recorder(FrameProcessor):
         self.audio_t: list[float] = []
         self.audio_kinds: set[str] = set()
         self.voiced_t: list[float] = []
+        self.voiced_s: list[float] = []  # each voiced frame's length of audio
         self.texts: list[str] = []
         self.kinds: list[str] = []
         self.errors: list[str] = []
@@ -102,6 +103,7 @@ class Recorder(FrameProcessor):
                 self.audio_t.append(t)
                 if voiced(pcm):
                     self.voiced_t.append(t)
+                    self.voiced_s.append(len(pcm) / (frame.sample_rate * frame.num_channels))
             elif isinstance(frame, TextFrame):
                 self.texts.append(frame.text)
             elif isinstance(frame, ErrorFrame):
@@ -180,10 +182,12 @@ async def run(args) -> dict:
                 t_int = source.now()
                 await source.broadcast_interruption()
                 await asyncio.sleep(args.gap_s)
-                before = [v for v in sink.voiced_t if v <= source.now()]
-                last = max((v for v in before if v >= t_int), default=t_int)
+                now = source.now()
+                after = [(v, d) for v, d in zip(sink.voiced_t, sink.voiced_s) if t_int <= v <= now]
+                last = max((v for v, _ in after), default=t_int)
                 report["interrupt"] = {"at_s": round(t_int, 4),
-                                       "last_voiced_after_s": round(last - t_int, 4)}
+                                       "last_voiced_after_s": round(last - t_int, 4),
+                                       "voiced_audio_after_s": round(sum(d for _, d in after), 4)}
                 t2 = await say(2, speech[: len(speech) // 2])
                 first2 = await first_voice_after(t2)
                 report["turns"].append({"tts_first_s": round(t2, 4), "latency_s":

@@ -320,7 +320,7 @@ class AheadAtTake(SpeechBuffer):
     def take(self, n: int):
         s = self.session
         slot, started = s.pacer.schedule()
-        to_slot = 0.0 if slot is None else max(0.0, slot - s.pacer.clock()) * s.spec.fps
+        to_slot = 0.0 if slot is None else max(0.0, slot - s.pacer.clock.now()) * s.spec.fps
         with self.lock:
             waiting = self.pushed > self.taken
         self.ahead.append((s.frames_committed - started + to_slot, waiting))

@@ -390,7 +390,7 @@ class LiveSession:
             else:
                 processing = self.estimate if self.estimate is not None \
                     else self.first_processing
-        now = self.pacer.clock()
+        now = self.pacer.clock.now()
         base = now if next_slot is None else max(now, next_slot)
         return base + (ahead - DEADLINE_MARGIN_FRAMES) / self.spec.fps - processing
 
@@ -408,11 +408,11 @@ class LiveSession:
         n = self.take_size(i)
         sample_rate = self.spec.side.sample_rate
         while not self.pipeline.stop.is_set():
-            left = self.deadline() - self.pacer.clock()
+            left = self.deadline() - self.pacer.clock.now()
             if left <= 0:
                 return "deadline"
             if self.speech.wait_for(n, min(left, WAIT_POLL_S)):
-                lead = self.deadline() - self.pacer.clock()
+                lead = self.deadline() - self.pacer.clock.now()
                 if not (math.isfinite(lead) and lead > RESYNC_LEAD_FRAMES / self.spec.fps):
                     return "speech"
                 if self.speech.queued() - n > sample_rate / self.spec.fps:
@@ -427,7 +427,7 @@ class LiveSession:
         take = self.take_size(i)
         with self.epoch_lock:
             heard, voiced, ended, marks = self.speech.take(take)
-            taken_t = self.pacer.clock()
+            taken_t = self.pacer.clock.now()
             epoch = self.epoch
             with self.count_lock:
                 self.frames_committed += self.family.step_frames(self.spec, i)
@@ -454,7 +454,7 @@ class LiveSession:
         self.sinking = (i, f1)
         if f0 == 0:
             with self.count_lock:
-                now = self.pacer.clock()
+                now = self.pacer.clock.now()
                 took = now - taken.taken_t - self.pipeline.times.held.pop(i, 0.0)
                 if i == 0:
                     self.first_processing = took

@@ -165,8 +165,8 @@ class Metrics:
     def __init__(self, target_fps: float = 24.0, interval_s: float = 10.0,
                  window_s: float = LIVE_WINDOW_S,
                  playback_window_s: float = PLAYBACK_WINDOW_S, clock=time.monotonic):
-        """`target_fps`: the engine's (its family's) frame rate; `clock` must be the pacer's
-        (frame times are on it)."""
+        """`target_fps`: the engine's (its family's) frame rate; `clock` must read what the
+        pacer's clock reads (frame times are on it: the monotonic clock when serving)."""
         self.registry = CollectorRegistry()
         self.target_fps, self.interval_s = target_fps, interval_s
         self.below_fps = target_fps * BELOW_TARGET_FRACTION

@@ -1,7 +1,7 @@
-"""The pacer: plays finished steps at the frame rate on one monotonic clock, each frame with
-its slice of the step's audio. On an underrun it holds the last frame and shifts its schedule
-by the delay (runtime/playout.py); it never drops a frame, except on a barge-in, which drops
-every frame not yet played.
+"""The pacer: plays finished steps at the frame rate on one clock (runtime/clock.py), each
+frame with its slice of the step's audio. On an underrun it holds the last frame and shifts
+its schedule by the delay (runtime/playout.py); it never drops a frame, except on a
+barge-in, which drops every frame not yet played.
 
 A step may come in pieces (a live session pushes each latent's frames as they are decoded,
 the last piece marked `last`): each piece takes the next slot of its own, so a step's first
@@ -16,12 +16,12 @@ previous step's last frame).
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from .clock import MonotonicClock
 from .playout import Playout
 
 
@@ -43,15 +43,17 @@ def split_audio(audio: torch.Tensor, parts: int) -> list[torch.Tensor]:
 class Pacer:
     def __init__(self, publish: Callable[[torch.Tensor, torch.Tensor, float, bool], None],
                  fps: float = 24.0, frames_per_step: int = 4, slack: int = 2,
-                 clock: Callable[[], float] = time.monotonic, on_frame=None, on_step_done=None):
+                 clock=None, on_frame=None, on_step_done=None):
         """publish(frame [3, H, W], audio [samples], t, voiced) is called at each frame's time
-        t on `clock`, never after a flush() has returned for a frame taken before it (the
-        frame's publish and the flush exclude each other). on_frame(t, slot) (optional) sees each frame's time and its slot;
+        t on `clock` (runtime/clock.py; the monotonic clock by default), never after a flush()
+        has returned for a frame taken before it (the frame's publish and the flush exclude
+        each other). on_frame(t, slot) (optional) sees each frame's time and its slot;
         on_step_done(step) (optional) runs after the last frame of each step or piece pushed
         (not after a flush)."""
         if slack < 1:
             raise ValueError("slack must be at least 1")
-        self.publish, self.fps, self.slack, self.clock = publish, fps, slack, clock
+        self.publish, self.fps, self.slack = publish, fps, slack
+        self.clock = MonotonicClock() if clock is None else clock
         self.frames_per_step = frames_per_step
         self.on_frame, self.on_step_done = on_frame, on_step_done
         self.playout = Playout(fps, frames_per_step)
@@ -100,7 +102,7 @@ class Pacer:
         with self.cv:
             self.epoch += 1
             self.queue.clear()
-            now = self.clock()
+            now = self.clock.now()
             self.playout.restart_at(now)
             self.cv.notify_all()
             return now
@@ -118,23 +120,19 @@ class Pacer:
     def _sleep_until(self, t: float, epoch: int) -> bool:
         """Wait until clock t; False if closed or flushed meanwhile."""
         with self.cv:
-            while not self.closed and self.epoch == epoch:
-                left = t - self.clock()
-                if left <= 0:
-                    return True
-                self.cv.wait(left)
-            return False
+            return not self.clock.wait_until(
+                self.cv, lambda: self.closed or self.epoch != epoch, t)
 
     def _run(self) -> None:
         while True:
             with self.cv:
-                self.cv.wait_for(lambda: self.closed or self.queue)
+                self.clock.wait_until(self.cv, lambda: self.closed or bool(self.queue), None)
                 if self.closed:
                     return
                 step = self.queue.pop(0)
                 self.playing = True
                 epoch = self.epoch
-                begin = self.playout.start(self.clock(), step.frames.shape[0])
+                begin = self.playout.start(self.clock.now(), step.frames.shape[0])
                 self.frames_started += step.frames.shape[0]
                 self.cv.notify_all()
             audio = split_audio(step.audio, step.frames.shape[0])
@@ -145,7 +143,7 @@ class Pacer:
                 with self.cv:  # a flush now waits for this frame, then nothing more plays
                     if self.epoch != epoch:
                         break
-                    t = self.clock()
+                    t = self.clock.now()
                     self.publish(step.frames[j], audio[j], t, step.voiced)
                 if self.on_frame is not None:
                     self.on_frame(t, slot)
