@@ -16,7 +16,8 @@ Scenarios (--scenario):
 Prints one JSON line: the engine, the frames (count, size, first and last time), each turn's
 latency (from its first TTS audio to the first voiced audio leaving the service: the
 character's frames leave with it), the barge-in time (from the interruption to the last
-voiced audio leaving) and how much voiced audio left after it, the text frames in the order they left, the errors pushed upstream.
+voiced audio leaving) and how much voiced audio left after it, the text frames in the
+order they left, the errors pushed upstream.
 With --out, the frames (RGB), the audio out, and their times, as .npz.
 
     python scripts/pipecat_turns.py --url http://127.0.0.1:8080/ --image face.png \\
