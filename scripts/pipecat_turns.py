@@ -11,7 +11,8 @@ Scenarios (--scenario):
   voiced frame left the service, then a second turn.
 - open: the session is opened and the pipeline ended at once (for a server that refuses).
 - lose: the session's connection is cut from the bot's side --lose-after-s into it (as a
-  network that drops would), then a turn: the service opens a new session on its policy.
+  network that drops would), then a turn, played out: the service opens a new session on
+  its policy.
 
 Prints one JSON line: the engine, the frames (count, size, first and last time), each turn's
 latency (from its first TTS audio to the first voiced audio leaving the service: the
@@ -198,12 +199,17 @@ async def run(args) -> dict:
         elif args.scenario == "lose":
             await asyncio.sleep(args.lose_after_s)
             frames_before = len(sink.images)
+            t_loss = source.now()
             await service._client.pc.close()  # the connection drops
             t = await say(1, speech)
             first = await first_voice_after(t)
             report["turns"].append({"tts_first_s": round(t, 4), "latency_s":
                                     None if first is None else round(first - t, 4)})
+            if first is not None:  # the turn plays out
+                await quiet_for(args.gap_s)
             report["frames_before_loss"] = frames_before
+            report["voiced_audio_after_loss_s"] = round(sum(
+                d for v, d in zip(sink.voiced_t, sink.voiced_s) if v >= t_loss), 4)
         await asyncio.sleep(args.tail_s)
         await worker.queue_frame(EndFrame())
 

@@ -210,6 +210,8 @@ def test_a_lost_connection_is_opened_again_and_the_turn_plays_there(served):
     assert r["errors"] == [] and r["sessions_opened"] == 2, r
     assert r["audio_kinds"] == ["SpeechOutputAudioRawFrame"], r["audio_kinds"]
     assert r["turns"][0]["latency_s"] is not None, r
+    # the turn played out on the new session: most of its voice, and the frames it rides on
+    assert r["voiced_audio_after_loss_s"] > SPEECH_S / 2, r
     assert r["frames"] > r["frames_before_loss"] + 2 * r["engine"]["fps"], r
     assert wait(lambda: status(served)["active"] == 0, 10), status(served)
 
