@@ -545,17 +545,24 @@ def test_the_avatar_job_that_a_drain_ends_tells_the_agent_its_turn_was_interrupt
 
     from charengine.runtime.engine import Engine
     from charengine.runtime.livekit_avatar import serve_room
+    from charengine.runtime.metrics import Metrics
     from charengine.runtime.worker import Worker
     from livekit_loopback import pair
 
     worker = Worker(Engine.load(engines["tiny"]))
+    metrics = Metrics(target_fps=worker.spec.fps)
     rate = 24000
+
+    async def played(frames: int) -> None:  # until `frames` more frames have played
+        end = metrics.live()["frames_played"] + frames
+        while metrics.live()["frames_played"] < end:
+            await asyncio.sleep(0.02)
 
     async def scenario():
         agent_room, avatar_room = pair()
         stop = asyncio.Event()
         job = asyncio.ensure_future(serve_room(avatar_room, worker, {"sender": "agent"},
-                                               stop=stop))
+                                               metrics=metrics, stop=stop))
         out = DataStreamAudioOutput(agent_room, destination_identity="charengine-avatar",
                                     sample_rate=rate)
         finished = []
@@ -567,15 +574,16 @@ def test_the_avatar_job_that_a_drain_ends_tells_the_agent_its_turn_was_interrupt
         n = rate // 100
         for i in range(0, pcm.size, n):
             await out.capture_frame(rtc.AudioFrame(pcm[i: i + n].tobytes(), rate, 1, n))
-        await asyncio.sleep(1.5)  # a second and a half of the five-second turn plays
-        t_stop = time.monotonic()
+        while metrics.live()["latency_s"]["last"] is None:  # the turn's first voice played
+            await asyncio.sleep(0.02)
+        await played(round(1.5 * worker.spec.fps))  # a second and a half of the 5 s turn
         stop.set()
-        await asyncio.wait_for(job, 5)
-        return finished, time.monotonic() - t_stop
+        await asyncio.wait_for(job, 30)
+        return finished
 
-    finished, _ = asyncio.run(scenario())
+    finished = asyncio.run(scenario())
     assert len(finished) == 1 and finished[0].interrupted, finished
-    assert 0.5 < finished[0].playback_position < 3.0, finished
+    assert 0.5 < finished[0].playback_position < 5.0, finished  # where it was cut
 
 
 def test_idle_connections_hold_no_more_than_the_cap_and_are_closed():
