@@ -122,6 +122,30 @@ def test_audio_per_frame_must_divide_the_frame_rate():
         frame_samples(16000, 24)
 
 
+def test_the_agents_audio_loses_no_sample_across_rates_and_drops_what_it_cannot_take(
+        worker, caplog):
+    """A turn whose audio changes rate twice reaches the session whole (each resampler's
+    last samples handed on before the next, the last at the turn's end); frames at 1 Hz or
+    of five channels are dropped with one line."""
+    said = []
+
+    async def scenario():
+        gen = CharacterVideoGenerator(worker, torch.rand(3, 64, 64), audio_rate=24000)
+        gen.session.say = lambda samples: said.append(samples.numel())  # what it would queue
+        bad = [rtc.AudioFrame(bytes(2 * 160), 1, 1, 160),
+               rtc.AudioFrame(bytes(2 * 5 * 160), 48000, 5, 160)]
+        for f in tone(0.5, 24000) + bad * 3 + tone(0.5, 44100) + tone(0.25, 48000):
+            await gen.push_audio(f)
+        await gen.push_audio(lk.AudioSegmentEnd())
+
+    with caplog.at_level("WARNING", logger="charengine.livekit"):
+        asyncio.run(scenario())
+    assert abs(sum(said) - 1.25 * 16000) <= 3, sum(said)
+    refused = [r.getMessage() for r in caplog.records]
+    assert refused == ["the agent's audio is dropped: 1 Hz, outside 8,000 to 192,000 Hz; send "
+                       "it at the agent's usual 24 or 48 kHz"], refused
+
+
 @pytest.mark.parametrize("agent_rate", [24000, 44100])
 def test_turn_plays_then_segment_end_then_listening(worker, agent_rate):
     async def scenario():

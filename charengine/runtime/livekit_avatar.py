@@ -2,9 +2,10 @@
 LiveKit avatar behind a voice agent.
 
 - `CharacterVideoGenerator`: LiveKit's `VideoGenerator` over a charengine live session. It
-  takes the agent's audio frames at any rate, yields paced video frames, each speaking frame
-  followed by exactly one frame's worth of audio (1,000 samples at 24 kHz, 2,000 at 48 kHz),
-  an `AudioSegmentEnd` once a turn's audio has played, listening frames (video only, so the
+  takes the agent's audio frames at any rate from 8 to 192 kHz, mono or stereo (others are
+  dropped, the log saying so once), yields paced video frames, each speaking frame followed
+  by exactly one frame's worth of audio (1,000 samples at 24 kHz, 2,000 at 48 kHz), an
+  `AudioSegmentEnd` once a turn's audio has played, listening frames (video only, so the
   runner's playback position counts the turn's audio alone) between turns, and on
   `clear_buffer` (barge-in) drops the queued audio, the steps not yet started and the frames
   not yet played.
@@ -45,7 +46,8 @@ from livekit.agents.voice.avatar import (AudioSegmentEnd, AvatarOptions, AvatarR
                                          DataStreamAudioReceiver, QueueAudioOutput,
                                          VideoGenerator)
 
-from .formats import ImageFit, MediaError, data_url_bytes, prompt_problem, upload_message
+from .formats import (MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, ImageFit, MediaError, data_url_bytes,
+                      prompt_problem, upload_message)
 from .garbage import collect_after_session
 from .images import read_image
 from .lifecycle import STOP_SIGNALS, Drain, keep_ranks
@@ -120,6 +122,17 @@ def frame_samples(rate: int, fps: int) -> int:
     return rate // fps
 
 
+def agent_audio_problem(rate: int, channels: int) -> str | None:
+    """Why the agent's audio frames at `rate` Hz with `channels` channels cannot be taken
+    (None: they can): the rates speech uploads are taken at, mono or stereo."""
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        return (f"{rate:,} Hz, outside {MIN_SAMPLE_RATE:,} to {MAX_SAMPLE_RATE:,} Hz; send it at "
+                "the agent's usual 24 or 48 kHz")
+    if channels not in (1, 2):
+        return f"{channels} channels; send mono or stereo"
+    return None
+
+
 class CharacterVideoGenerator(VideoGenerator):
     def __init__(self, worker: Worker, image: torch.Tensor, prompt: str = "", *,
                  audio_rate: int = 24000, slack: int = 2, metrics: Metrics | None = None):
@@ -135,7 +148,11 @@ class CharacterVideoGenerator(VideoGenerator):
                                    on_step_done=self._step_done,
                                    on_error=lambda msg: self.loop.call_soon_threadsafe(
                                        self._fail, msg))
-        self._in_rs: dict[tuple[int, int], av.AudioResampler] = {}
+        # the agent's audio: one resampler, for the rate and channels it comes in (a change
+        # hands on the old one's last samples first); audio it cannot take is dropped, said once
+        self._in_key: tuple[int, int] | None = None
+        self._in_rs: av.AudioResampler | None = None
+        self._refused = False
         self._out_rs = av.AudioResampler(format="s16", layout="mono", rate=audio_rate)
         self._fifo = np.zeros(0, dtype=np.int16)
         self.started = False
@@ -154,20 +171,38 @@ class CharacterVideoGenerator(VideoGenerator):
     # ---- VideoGenerator --------------------------------------------------------------
     async def push_audio(self, frame: rtc.AudioFrame | AudioSegmentEnd) -> None:
         if isinstance(frame, AudioSegmentEnd):
+            self._flush_input()  # the turn's last samples, held in the resampler
             self.session.end_turn()
             return
         key = (frame.sample_rate, frame.num_channels)
-        if key not in self._in_rs:
-            self._in_rs[key] = av.AudioResampler(format="flt", layout="mono",
-                                                 rate=self.worker.spec.side.sample_rate)
+        problem = agent_audio_problem(*key)
+        if problem is not None:
+            if not self._refused:
+                log.warning("the agent's audio is dropped: %s", problem)
+            self._refused = True
+            return
+        if key != self._in_key:
+            self._flush_input()
+            self._in_key = key
+            self._in_rs = av.AudioResampler(format="flt", layout="mono",
+                                            rate=self.worker.spec.side.sample_rate)
         pcm = np.frombuffer(frame.data, dtype=np.int16).reshape(1, -1)
         af = av.AudioFrame.from_ndarray(pcm, format="s16",
                                         layout="mono" if frame.num_channels == 1 else "stereo")
         af.sample_rate = frame.sample_rate
-        for f in self._in_rs[key].resample(af):
+        self._say(self._in_rs.resample(af))
+
+    def _flush_input(self) -> None:
+        if self._in_rs is not None:
+            self._say(self._in_rs.resample(None))
+        self._in_key = self._in_rs = None
+
+    def _say(self, frames: list[av.AudioFrame]) -> None:
+        for f in frames:
             self.session.say(torch.from_numpy(f.to_ndarray().reshape(-1).copy()))
 
     def clear_buffer(self) -> None:
+        self._in_key = self._in_rs = None  # what the resampler holds is the dropped turn's
         self.session.interrupt()
 
     def __aiter__(self) -> AsyncIterator[rtc.VideoFrame | rtc.AudioFrame | AudioSegmentEnd]:
