@@ -216,6 +216,53 @@ def test_a_lost_connection_is_opened_again_and_the_turn_plays_there(served):
     assert wait(lambda: status(served)["active"] == 0, 10), status(served)
 
 
+def test_a_tts_streaming_at_real_time_with_late_frames_plays_without_gaps(monkeypatch):
+    """A TTS that sends 20 ms frames at real time, a third of them up to 35 ms late (in
+    order): on a clock the test moves, the track sends the turn's speech whole and in order,
+    with no silence inside it. Sent as it comes (no lead), the same speech has gaps."""
+    import asyncio
+
+    from charengine.pipecat import client
+
+    rate, n, count = 16000, 320, 100
+    rng = np.random.default_rng(SEED)
+    late = np.where(rng.random(count) < 1 / 3, rng.uniform(0, 0.035, count), 0.0)
+    arrive = np.maximum.accumulate(0.5 + np.arange(count) * 0.02 + late)
+    speech = (np.arange(count * n) % 30000 + 1).astype(np.int16)  # no zero inside it
+
+    def sent() -> np.ndarray:
+        now, pushed, out = [0.0], [0], []
+
+        def deliver():
+            while pushed[0] < count and arrive[pushed[0]] <= now[0]:
+                track.push(speech[pushed[0] * n: (pushed[0] + 1) * n])
+                pushed[0] += 1
+
+        async def sleep(s):
+            now[0] += s
+            deliver()
+
+        track = client.SpeechTrack(rate, clock=lambda: now[0], sleep=sleep)
+
+        async def run():
+            while now[0] < arrive[-1] + 1.0:
+                deliver()
+                out.append((await track.recv()).to_ndarray().reshape(-1))
+
+        asyncio.run(run())
+        return np.concatenate(out)
+
+    def gaps(pcm) -> int:  # silent samples between the speech's first and last
+        voiced = np.flatnonzero(pcm)
+        return int((pcm[voiced[0]: voiced[-1] + 1] == 0).sum())
+
+    held = sent()
+    assert np.array_equal(held[held != 0], speech) and gaps(held) == 0
+    monkeypatch.setattr(client, "SPEECH_LEAD_S", 0.0)
+    as_it_comes = sent()
+    assert np.array_equal(as_it_comes[as_it_comes != 0], speech) and gaps(as_it_comes) > 0
+
+
 def test_the_speech_track_owes_silence_after_a_barge_in():
     """After clear() (a barge-in) the track sends SILENCE_AFTER_CLEAR silent frames before
     any speech pushed meanwhile: the server drops the speech in flight up to the first."""

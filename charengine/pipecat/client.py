@@ -36,6 +36,10 @@ SPEECH_FRAME_S = 0.02  # the speech track's frames: one Opus packet each
 # silent frames a barge-in's clear owes before any new speech: the server drops what arrives
 # loud up to its first silent frame, and Opus's decoder carries a frame's tail into the next
 SILENCE_AFTER_CLEAR = 3
+# speech after silence is held until this much of it waits (or it has waited this long), so a
+# TTS that streams at real time, its frames arriving up to this less one frame (40 ms) late,
+# plays without gaps; a turn's start waits up to this long for it
+SPEECH_LEAD_S = 0.06
 HTTP_TIMEOUT_S = 30.0  # an offer carries the image: a large one takes a moment to decode
 CONNECT_TIMEOUT_S = 10.0  # from the answer to the peer connected
 STOP_TIMEOUT_S = 5.0  # /stop at the end: the server frees the session even if it never comes
@@ -122,21 +126,29 @@ def image_data_url(image: str | Path | bytes | None) -> tuple[str | None, str | 
 class SpeechTrack(MediaStreamTrack):
     """The audio the bot sends: 16-bit mono samples at the engine's rate, given by `push`,
     sent in SPEECH_FRAME_S frames paced at real time from the first one, silence where
-    nothing waits (the server hears a microphone: speech, then quiet between turns). After
-    `clear` (a barge-in) SILENCE_AFTER_CLEAR silent frames go first, whatever is pushed
-    meanwhile: the server's sign that what follows was said after the barge-in."""
+    nothing waits (the server hears a microphone: speech, then quiet between turns). Speech
+    that follows silence goes once SPEECH_LEAD_S of it waits or it has waited that long, and
+    goes on while it comes in time; a frame that finds too little waiting sends what there is
+    and the track holds the next speech for the lead again. After `clear` (a barge-in)
+    SILENCE_AFTER_CLEAR silent frames go first, whatever is pushed meanwhile: the server's
+    sign that what follows was said after the barge-in. `clock` and `sleep` are the ones its
+    pacing reads and waits on."""
 
     kind = "audio"
 
-    def __init__(self, sample_rate: int):
+    def __init__(self, sample_rate: int, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable] = asyncio.sleep):
         super().__init__()
-        self.rate = sample_rate
+        self.rate, self.clock, self.sleep = sample_rate, clock, sleep
         self.chunk = round(sample_rate * SPEECH_FRAME_S)
+        self.lead = round(sample_rate * SPEECH_LEAD_S)
         self.waiting: collections.deque[np.ndarray] = collections.deque()
         self.queued = 0  # samples waiting
         self.sent = 0  # samples sent (the next frame's pts)
         self.t0: float | None = None
         self.silence_owed = 0  # frames of silence before the next speech (after a clear)
+        self.speaking = False  # sending speech that has come in time since its lead
+        self.held_since: float | None = None  # when speech after silence was first held
 
     def push(self, pcm: np.ndarray) -> None:
         pcm = np.asarray(pcm, dtype=np.int16).reshape(-1)
@@ -149,6 +161,7 @@ class SpeechTrack(MediaStreamTrack):
         dropped, self.queued = self.queued, 0
         self.waiting.clear()
         self.silence_owed = SILENCE_AFTER_CLEAR
+        self.speaking, self.held_since = False, None
         return dropped
 
     @property
@@ -170,20 +183,38 @@ class SpeechTrack(MediaStreamTrack):
         self.queued -= at
         return out
 
+    def _speak(self, now: float) -> bool:
+        """Whether this frame sends speech: some waits, and either speech is going on or its
+        lead has gathered (SPEECH_LEAD_S of it, or held that long)."""
+        if not self.queued:
+            self.held_since = None
+            return False
+        if self.speaking:
+            return True
+        if self.held_since is None:
+            self.held_since = now
+        if self.queued >= self.lead or now - self.held_since >= SPEECH_LEAD_S:
+            self.held_since = None
+            return True
+        return False
+
     async def recv(self) -> av.AudioFrame:
         if self.readyState != "live":
             raise MediaStreamError
-        now = time.monotonic()
+        now = self.clock()
         if self.t0 is None:
             self.t0 = now
         wait = self.t0 + self.sent / self.rate - now
         if wait > 0:
-            await asyncio.sleep(wait)
+            await self.sleep(wait)
         if self.silence_owed:
             self.silence_owed -= 1
             pcm = np.zeros(self.chunk, np.int16)
-        else:
+        elif self._speak(self.clock()):
+            self.speaking = self.queued >= self.chunk  # else it ran short: hold the next
             pcm = self._take(self.chunk)
+        else:
+            pcm = np.zeros(self.chunk, np.int16)
         frame = av.AudioFrame.from_ndarray(pcm[None], format="s16", layout="mono")
         frame.sample_rate = self.rate
         frame.pts, frame.time_base = self.sent, Fraction(1, self.rate)
