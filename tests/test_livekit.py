@@ -142,8 +142,8 @@ def test_the_agents_audio_loses_no_sample_across_rates_and_drops_what_it_cannot_
         asyncio.run(scenario())
     assert abs(sum(said) - 1.25 * 16000) <= 3, sum(said)
     refused = [r.getMessage() for r in caplog.records]
-    assert refused == ["the agent's audio is dropped: 1 Hz, outside 8,000 to 192,000 Hz; send "
-                       "it at the agent's usual 24 or 48 kHz"], refused
+    assert refused == ["the agent's audio is dropped: 1 Hz, outside 8,000 to 192,000 Hz (send "
+                       "it at the usual 16, 24 or 48 kHz)"], refused
 
 
 @pytest.mark.parametrize("agent_rate", [24000, 44100])

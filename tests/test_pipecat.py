@@ -216,6 +216,67 @@ def test_a_lost_connection_is_opened_again_and_the_turn_plays_there(served):
     assert wait(lambda: status(served)["active"] == 0, 10), status(served)
 
 
+def test_the_tts_audio_reaches_the_session_whole_across_rates_and_what_cannot_be_is_dropped():
+    """A turn whose TTS audio changes rate reaches the session whole (the resampler's last
+    samples handed on at the change and at TTSStoppedFrame); frames at 1 Hz are dropped
+    with one line. The session is a stand-in that records what the service says to it."""
+    import asyncio
+    import types
+
+    from loguru import logger
+    from pipecat.frames.frames import (EndFrame, TTSAudioRawFrame, TTSStartedFrame,
+                                       TTSStoppedFrame)
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.worker import PipelineWorker
+    from pipecat.workers.runner import WorkerRunner
+
+    from charengine.pipecat import CharacterVideoService
+    from charengine.pipecat.client import EngineInfo
+
+    said, warned = [], []
+
+    class Session:
+        speech = types.SimpleNamespace(queued=0)
+
+        async def open(self):
+            return EngineInfo("livetalk", "tiny-livetalk", 16, 64, 64, 16000, 12)
+
+        def say(self, pcm):
+            said.append(pcm.size)
+
+        async def close(self, tell_server=True):
+            pass
+
+    class Service(CharacterVideoService):
+        def _new_client(self):
+            return Session()
+
+    def tts(seconds, rate):
+        pcm = (0.3 * np.sin(np.arange(int(seconds * rate)) * 0.05) * 32767).astype(np.int16)
+        n = rate // 50
+        return [TTSAudioRawFrame(audio=pcm[i: i + n].tobytes(), sample_rate=rate,
+                                 num_channels=1) for i in range(0, pcm.size, n)]
+
+    async def run():
+        worker = PipelineWorker(Pipeline([Service(PAGE, b"image")]),
+                                cancel_on_idle_timeout=False)
+        bad = [TTSAudioRawFrame(audio=bytes(320), sample_rate=1, num_channels=1)] * 3
+        for f in [TTSStartedFrame(), *tts(0.5, 24000), *bad, *tts(0.5, 22050),
+                  TTSStoppedFrame(), EndFrame()]:
+            await worker.queue_frame(f)
+        await WorkerRunner().run(worker)
+
+    sink = logger.add(lambda m: warned.append(m.record["message"]), level="WARNING")
+    try:
+        asyncio.run(run())
+    finally:
+        logger.remove(sink)
+    assert abs(sum(said) - 16000) <= 2, sum(said)
+    assert [w.split(": ", 1)[1] for w in warned] == [
+        "the TTS's audio is dropped: 1 Hz, outside 8,000 to 192,000 Hz (send it at the usual "
+        "16, 24 or 48 kHz)"], warned
+
+
 def test_a_tts_streaming_at_real_time_with_late_frames_plays_without_gaps(monkeypatch):
     """A TTS that sends 20 ms frames at real time, a third of them up to 35 ms late (in
     order): on a clock the test moves, the track sends the turn's speech whole and in order,

@@ -37,12 +37,13 @@ import numpy as np
 from loguru import logger
 from pipecat.frames.frames import (CancelFrame, EndFrame, Frame, InterruptionFrame,
                                    OutputImageRawFrame, SpeechOutputAudioRawFrame, StartFrame,
-                                   TTSAudioRawFrame, TTSStartedFrame)
+                                   TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame)
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSetup
 from pipecat.services.ai_service import AIService
 from pipecat.services.settings import ServiceSettings
 
 from ..paths import not_a_file
+from ..runtime.formats import stream_audio_problem
 from .client import CharacterClient, EngineInfo, Refused, Unreachable
 
 # a received audio frame louder than this (RMS, of full scale) carries speech: the end of a
@@ -104,6 +105,7 @@ class CharacterVideoService(AIService):
         self._out_rate = 24000
         self._to_engine: av.AudioResampler | None = None
         self._to_engine_from: tuple[int, int] | None = None
+        self._refused_audio = False  # TTS audio the engine cannot take was dropped (said once)
         self._to_pipeline: av.AudioResampler | None = None
         self._open = False  # a session is connected
         self._ending = False  # EndFrame or CancelFrame seen
@@ -235,9 +237,19 @@ class CharacterVideoService(AIService):
     # what goes in
 
     def _resampled(self, frame: TTSAudioRawFrame) -> np.ndarray:
-        """The frame's samples at the engine's rate, mono, 16-bit."""
+        """The frame's samples at the engine's rate, mono, 16-bit (after what the resampler
+        held, where the frame's rate or channels differ from the last one's). Audio at a rate
+        or of channels the engine's speech is never taken at is dropped, the log saying so
+        once."""
         key = (frame.sample_rate, frame.num_channels)
-        if self._to_engine is None or self._to_engine_from != key:
+        problem = stream_audio_problem(*key)
+        if problem is not None:
+            if not self._refused_audio:
+                logger.warning(f"{self}: the TTS's audio is dropped: {problem}")
+            self._refused_audio = True
+            return np.zeros(0, np.int16)
+        parts = self._resampler_tail() if key != self._to_engine_from else []
+        if self._to_engine is None:
             self._to_engine = av.AudioResampler(format="flt", layout="mono",
                                                 rate=self._info.sample_rate)
             self._to_engine_from = key
@@ -245,8 +257,15 @@ class CharacterVideoService(AIService):
         af = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm.reshape(1, -1)), format="s16",
                                         layout="mono" if frame.num_channels == 1 else "stereo")
         af.sample_rate = frame.sample_rate
-        return _s16(np.concatenate([_pcm(p) for p in self._to_engine.resample(af)] or
-                                   [np.zeros(0, np.float32)]))
+        parts += [_pcm(p) for p in self._to_engine.resample(af)]
+        return _s16(np.concatenate(parts or [np.zeros(0, np.float32)]))
+
+    def _resampler_tail(self) -> list[np.ndarray]:
+        """What the resampler to the engine holds, handed on; the next frame starts another."""
+        parts = [] if self._to_engine is None else \
+            [_pcm(p) for p in self._to_engine.resample(None)]
+        self._to_engine = self._to_engine_from = None
+        return parts
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):
         await super().process_frame(frame, direction)
@@ -262,8 +281,13 @@ class CharacterVideoService(AIService):
             return
         if isinstance(frame, TTSStartedFrame):
             self._turn_waiting = False
+        if isinstance(frame, TTSStoppedFrame) and self._open:  # the turn's last samples
+            tail = self._resampler_tail()
+            if tail:
+                self._client.say(_s16(np.concatenate(tail)))
         if isinstance(frame, InterruptionFrame):
             self._held.clear()
+            self._to_engine = self._to_engine_from = None  # it holds the dropped turn's
         if isinstance(frame, InterruptionFrame) and self._open:
             self._turn_waiting = False
             await self.cancel_ttfb_metrics()

@@ -114,6 +114,18 @@ EXIF_ORIENTATION = 0x0112
 MAX_PROMPT_CHARS = 10_000
 
 
+def stream_audio_problem(rate: int, channels: int) -> str | None:
+    """Why audio frames streamed at `rate` Hz with `channels` channels (a voice agent's, a
+    TTS's) cannot be taken, None if they can: the rates speech files are taken at, mono or
+    stereo."""
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        return (f"{rate:,} Hz, outside {MIN_SAMPLE_RATE:,} to {MAX_SAMPLE_RATE:,} Hz (send it "
+                "at the usual 16, 24 or 48 kHz)")
+    if channels not in (1, 2):
+        return f"{channels} channels (send it mono or stereo)"
+    return None
+
+
 def quoted(text: str) -> str:
     """A field's value as its refusal names it: quoted, or its length where it is long."""
     return repr(text) if len(text) <= MAX_QUOTED else f"of {len(text):,} characters"

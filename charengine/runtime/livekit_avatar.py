@@ -46,8 +46,8 @@ from livekit.agents.voice.avatar import (AudioSegmentEnd, AvatarOptions, AvatarR
                                          DataStreamAudioReceiver, QueueAudioOutput,
                                          VideoGenerator)
 
-from .formats import (MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, ImageFit, MediaError, data_url_bytes,
-                      prompt_problem, upload_message)
+from .formats import (ImageFit, MediaError, data_url_bytes, prompt_problem,
+                      stream_audio_problem, upload_message)
 from .garbage import collect_after_session
 from .images import read_image
 from .lifecycle import STOP_SIGNALS, Drain, keep_ranks
@@ -122,17 +122,6 @@ def frame_samples(rate: int, fps: int) -> int:
     return rate // fps
 
 
-def agent_audio_problem(rate: int, channels: int) -> str | None:
-    """Why the agent's audio frames at `rate` Hz with `channels` channels cannot be taken
-    (None: they can): the rates speech uploads are taken at, mono or stereo."""
-    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
-        return (f"{rate:,} Hz, outside {MIN_SAMPLE_RATE:,} to {MAX_SAMPLE_RATE:,} Hz; send it at "
-                "the agent's usual 24 or 48 kHz")
-    if channels not in (1, 2):
-        return f"{channels} channels; send mono or stereo"
-    return None
-
-
 class CharacterVideoGenerator(VideoGenerator):
     def __init__(self, worker: Worker, image: torch.Tensor, prompt: str = "", *,
                  audio_rate: int = 24000, slack: int = 2, metrics: Metrics | None = None):
@@ -175,7 +164,7 @@ class CharacterVideoGenerator(VideoGenerator):
             self.session.end_turn()
             return
         key = (frame.sample_rate, frame.num_channels)
-        problem = agent_audio_problem(*key)
+        problem = stream_audio_problem(*key)
         if problem is not None:
             if not self._refused:
                 log.warning("the agent's audio is dropped: %s", problem)
