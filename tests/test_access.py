@@ -5,6 +5,7 @@ uploads in flight."""
 import pytest
 
 from charengine.runtime.access import Access, AccessError, UploadGate, same_token
+from charengine.runtime.formats import MAX_SHOWN
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1:8080", "127.0.0.1", "[::1]:8080", "10.0.0.7:80",
@@ -54,6 +55,12 @@ def test_the_pages_own_origin_and_no_origin_may_change_state():
 def test_other_origins_may_not(origin, host):
     why = Access().origin_refusal(origin, host)
     assert why is not None and "--allow-origin" in why
+
+
+def test_a_long_origin_is_shown_cut():
+    origin = "http://" + "a" * 5000 + ".example"
+    why = Access().origin_refusal(origin, "127.0.0.1:8080")
+    assert f"'{origin[:MAX_SHOWN]}...'" in why and len(why) < MAX_SHOWN + 200
 
 
 def test_allow_origin_adds_a_front_end_with_its_scheme_and_port():

@@ -22,6 +22,7 @@ import psutil
 import pytest
 from PIL import Image
 
+from charengine.runtime.formats import MAX_SHOWN
 from engines import build_target
 from offers import answer_of, offer_sdp, page_offer, slow_upload, wav_data_url
 from procs import still_running
@@ -369,6 +370,11 @@ def test_an_upload_error_names_the_file_as_the_page_chose_it(server):
     said = error_of(status, ctype, data)
     assert status == 400 and said.startswith('the image "holiday.txt": not an image'), said
     assert "BytesIO" not in said, said
+    long = "x" * 5000 + ".txt"  # a long name is shown cut
+    body = json.dumps({"sdp": "v=0", "type": "offer", "image_name": long,
+                       "image": "data:image/png;base64," + base64.b64encode(b"hi").decode()})
+    said = error_of(*server.request("/offer", body.encode()))
+    assert said.startswith(f'the image "{long[:MAX_SHOWN]}...": not an image'), said
 
 
 def metric(text: str, name: str) -> float:

@@ -37,6 +37,8 @@ import secrets
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from .formats import cut
+
 LOCAL_NAMES = ("localhost",)
 ANY_HOST = "*"
 JSON_TYPE = "application/json"
@@ -145,8 +147,7 @@ class Access:
                 return None
             if key in self._origins:
                 return None
-        shown = origin if len(origin) <= 80 else origin[:80] + "..."
-        return (f"requests from the page at {shown!r} may not control this server: use its "
+        return (f"requests from the page at {cut(origin)!r} may not control this server: use its "
                 "own page, or start charrun with --allow-origin for your front end")
 
 

@@ -106,6 +106,7 @@ MIN_IMAGE_FRACTION = 0.25
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "AVIF", "GIF", "BMP", "TIFF")
 DEFAULT_BACKGROUND = "#ffffff"
 MAX_QUOTED = 40  # a field's value longer than this is not quoted back in its refusal
+MAX_SHOWN = 80  # a name a message shows (a file's, a page's origin) is cut to this
 EXIF_ORIENTATION = 0x0112
 # A prompt is read by a text encoder of a few hundred tokens (umT5: 512, some 2,000 to 3,000
 # characters of English); a longer one is refused rather than cleaned and tokenized whole
@@ -129,6 +130,11 @@ def stream_audio_problem(rate: int, channels: int) -> str | None:
 def quoted(text: str) -> str:
     """A field's value as its refusal names it: quoted, or its length where it is long."""
     return repr(text) if len(text) <= MAX_QUOTED else f"of {len(text):,} characters"
+
+
+def cut(text: str) -> str:
+    """A name as a message shows it: its first MAX_SHOWN characters, "..." after a longer one."""
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
 
 
 def parse_colour(text: str) -> tuple[int, int, int]:

@@ -54,7 +54,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 from .access import (JSON_TYPE, PAGE_HEADERS, UPLOAD_RETRY_AFTER_S, Access, UploadGate,
                      same_token)
 from .client_bounds import ClientAccount, watch_ice_checks
-from .formats import (MAX_UPLOAD_SPEECH_S, ImageFit, MediaError, data_url_bytes,
+from .formats import (MAX_UPLOAD_SPEECH_S, ImageFit, MediaError, cut, data_url_bytes,
                       prompt_problem, quoted, upload_message)
 from .garbage import collect_after_session
 from .images import load_image
@@ -75,7 +75,6 @@ PEER_SILENT_S = 3.0
 PEER_POLL_S = 0.5
 STATS_PERIOD_S = 1.0  # how often the live numbers are pushed to the page
 ERROR_FLUSH_S = 0.2  # lets an error message leave before the peer closes
-MAX_NAME_CHARS = 80  # an uploaded file's name, as messages quote it
 # libraries whose INFO lines are each connection's inner steps (aioice: some twenty ICE
 # checks a session): their warnings and errors are logged, the rest would drown the server's
 QUIET_LOGGERS = ("aioice", "aiortc")
@@ -135,7 +134,7 @@ def _upload_error(e: MediaError, what: str, name) -> BadRequest:
     """A reader's message about an upload, naming the file as the page chose it."""
     text = upload_message(e)
     if isinstance(name, str) and name.strip():
-        what = f'{what} "{name.strip()[:MAX_NAME_CHARS]}"'
+        what = f'{what} "{cut(name.strip())}"'
     return BadRequest(f"{what}: {text}")
 
 
