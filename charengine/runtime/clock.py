@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    def wait_until(self, cv: threading.Condition, ready: Callable[[], bool],
+                   deadline: float | None) -> bool: ...
 
 
 class MonotonicClock:

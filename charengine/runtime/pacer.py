@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .clock import MonotonicClock
+from .clock import Clock, MonotonicClock
 from .playout import Playout
 
 
@@ -43,7 +43,7 @@ def split_audio(audio: torch.Tensor, parts: int) -> list[torch.Tensor]:
 class Pacer:
     def __init__(self, publish: Callable[[torch.Tensor, torch.Tensor, float, bool], None],
                  fps: float = 24.0, frames_per_step: int = 4, slack: int = 2,
-                 clock=None, on_frame=None, on_step_done=None):
+                 clock: Clock | None = None, on_frame=None, on_step_done=None):
         """publish(frame [3, H, W], audio [samples], t, voiced) is called at each frame's time
         t on `clock` (runtime/clock.py; the monotonic clock by default), never after a flush()
         has returned for a frame taken before it (the frame's publish and the flush exclude
