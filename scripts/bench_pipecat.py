@@ -4,7 +4,8 @@ pipeline of a TTS-like source, `CharacterVideoService` and a recording sink) run
 for turns of speech with the TTS streaming at real time, then in bursts (4x real time), then
 barge-ins. Turn latency is from a turn's first TTS audio entering the service to the first
 voiced audio of the character leaving it (its frames leave with it); the barge-in time from
-the interruption to the last voiced audio leaving. Prints and writes the medians.
+the interruption to the last voiced audio leaving, and the seconds of voiced audio that left
+after it. Prints and writes the medians.
 
     python scripts/bench_pipecat.py --engine engines/cpu-tiny --netns
     charbuild --target h200-livetalk --random-weights --out /tmp/lt
@@ -101,8 +102,11 @@ def main(argv=None) -> None:
             barge = [turns(url, image, speech, "--scenario", "interrupt")
                      for _ in range(args.barge_ins)]
             times = [(b["interrupt"] or {}).get("last_voiced_after_s") for b in barge]
+            voiced = [(b["interrupt"] or {}).get("voiced_audio_after_s") for b in barge]
             doc["barge_in"] = {"last_voiced_after_s": times, "median_s": median(times),
-                               "max_s": max((t for t in times if t is not None), default=None)}
+                               "max_s": max((t for t in times if t is not None), default=None),
+                               "voiced_audio_after_s": voiced,
+                               "voiced_audio_median_s": median(voiced)}
             print(json.dumps({"barge_in": doc["barge_in"]}), flush=True)
     finally:
         stop(server)
