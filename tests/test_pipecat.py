@@ -264,7 +264,9 @@ def test_the_tts_audio_reaches_the_session_whole_across_rates_and_what_cannot_be
         for f in [TTSStartedFrame(), *tts(0.5, 24000), *bad, *tts(0.5, 22050),
                   TTSStoppedFrame(), EndFrame()]:
             await worker.queue_frame(f)
-        await WorkerRunner().run(worker)
+        runner = WorkerRunner()
+        await runner.add_workers(worker)
+        await runner.run()
 
     sink = logger.add(lambda m: warned.append(m.record["message"]), level="WARNING")
     try:
