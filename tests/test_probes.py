@@ -84,8 +84,10 @@ class Charrun:
         while True:
             assert self.p.poll() is None, self.output
             assert time.monotonic() - self.t0 < timeout, (seen, self.output)
-            health, _ = self.probe("/healthz")
+            # /readyz first: once it answers the port listens, so /healthz answers too (the
+            # other way round, the port could open between the two and /healthz read None)
             status, body = self.probe("/readyz")
+            health, _ = self.probe("/healthz")
             if health is not None or status is not None:
                 seen.append((time.monotonic() - self.t0, health, status, body))
                 if isinstance(body, dict) and body.get("state") == until:
